@@ -1,0 +1,185 @@
+// Command gen generates the arfuse kernel instances, their dispatch table and the torch op
+// registration from a variant matrix.
+//
+//	go run ./gen [--matrix FILE|NAME] [--out DIR] [--only GLOB]... [--list] [--check]
+//
+// It runs in four steps: model (model.go: strict YAML → validated matrix, models, tuning), plan
+// (plan.go: one kernel shape per variant), render (render.go + templates/cuda: files in memory)
+// and write (write.go: only changed files, stale generated files removed).
+//
+// Exit status: 0 success, 1 --check found differences, 2 bad input (one line on stderr naming
+// file, field, value and the rule broken) or an I/O error.
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path"
+	"path/filepath"
+	"strings"
+
+	"github.com/spf13/pflag"
+)
+
+func main() {
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+const usageHead = `Usage: go run ./gen [flags]
+
+Generates the arfuse kernel instances (one .cu per variant), the dispatch table, the torch op
+registration, manifest.json and sources.mk from a variant matrix. Unchanged files are not
+rewritten; generated files no longer emitted are deleted (files without the generated header
+are never touched).
+
+Exit status: 0 success, 1 --check found differences, 2 bad input or I/O error.
+
+Flags:
+`
+
+// options are the parsed flags.
+type options struct {
+	matrix string
+	out    string
+	only   []string
+	list   bool
+	check  bool
+	tuning string
+	models string
+}
+
+func run(args []string, stdout, stderr io.Writer) int {
+	var o options
+	fs := pflag.NewFlagSet("gen", pflag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	fs.SortFlags = false
+	fs.StringVar(&o.matrix, "matrix", "variants/default.yaml", "variant matrix: a YAML file, or a bare name such as ci for variants/ci.yaml")
+	fs.StringVar(&o.out, "out", "out", "output directory")
+	fs.StringArrayVar(&o.only, "only", nil, "keep only variants whose name matches this glob (path.Match; repeatable)")
+	fs.BoolVar(&o.list, "list", false, "print the names of the variants it would emit, one per line, and write nothing")
+	fs.BoolVar(&o.check, "check", false, "write nothing; exit 1 naming the files that differ, are missing or are extra in --out")
+	fs.StringVar(&o.tuning, "tuning", "variants/tuning.yaml", "measured one-shot/two-shot thresholds")
+	fs.StringVar(&o.models, "models", "variants/models.yaml", "MoE models and their hidden sizes")
+	help := fs.BoolP("help", "h", false, "print this help")
+	if err := fs.Parse(args); err != nil {
+		fmt.Fprintf(stderr, "gen: %v (see --help)\n", err)
+		return 2
+	}
+	if *help {
+		fmt.Fprint(stdout, usageHead+fs.FlagUsages())
+		return 0
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "gen: unexpected argument %q (see --help)\n", fs.Arg(0))
+		return 2
+	}
+	if o.list && o.check {
+		fmt.Fprintln(stderr, "gen: --list and --check cannot be combined")
+		return 2
+	}
+	if err := generate(o, stdout, stderr); err != nil {
+		var exit exitError
+		if errors.As(err, &exit) {
+			return int(exit)
+		}
+		fmt.Fprintln(stderr, oneLine(err.Error()))
+		return 2
+	}
+	return 0
+}
+
+// exitError ends run with a status after the message has been printed.
+type exitError int
+
+func (e exitError) Error() string { return fmt.Sprintf("exit %d", int(e)) }
+
+func oneLine(s string) string { return strings.Join(strings.Fields(s), " ") }
+
+// matrixPath turns a bare name (no directory, no extension) into variants/NAME.yaml.
+func matrixPath(m string) string {
+	if !strings.ContainsAny(m, `/\`) && filepath.Ext(m) == "" {
+		return filepath.Join("variants", m+".yaml")
+	}
+	return m
+}
+
+func generate(o options, stdout, stderr io.Writer) error {
+	// Model.
+	models, err := loadModels(o.models)
+	if err != nil {
+		return err
+	}
+	mpath := matrixPath(o.matrix)
+	matrix, err := loadMatrix(mpath, models)
+	if err != nil {
+		return err
+	}
+	tuning, err := loadTuning(o.tuning)
+	if err != nil {
+		return err
+	}
+	// Plan.
+	variants, err := expand(matrix)
+	if err != nil {
+		return err
+	}
+	if variants, err = filterOnly(variants, o.only, mpath); err != nil {
+		return err
+	}
+	if o.list {
+		for _, v := range variants {
+			fmt.Fprintln(stdout, v.Name)
+		}
+		return nil
+	}
+	// Render.
+	files, err := render(newGen(filepath.ToSlash(mpath), o.only, variants, tuning))
+	if err != nil {
+		return err
+	}
+	// Write (or compare).
+	if o.check {
+		changes, err := diff(o.out, files)
+		if err != nil {
+			return err
+		}
+		for _, c := range changes {
+			fmt.Fprintf(stderr, "%s: %s\n", c.Path, c.What)
+		}
+		if len(changes) > 0 {
+			fmt.Fprintf(stderr, "gen: %s is not what go run ./gen would write (%d files); rerun it\n", o.out, len(changes))
+			return exitError(1)
+		}
+		return nil
+	}
+	_, err = write(o.out, files)
+	return err
+}
+
+// filterOnly keeps the variants whose name matches one of the globs (all of them when there is
+// none). A bad pattern, or patterns that keep nothing, are input errors.
+func filterOnly(variants []*Variant, only []string, matrix string) ([]*Variant, error) {
+	if len(only) == 0 {
+		return variants, nil
+	}
+	for _, pat := range only {
+		if _, err := path.Match(pat, ""); err != nil {
+			return nil, &InputError{File: "--only", Value: fmt.Sprintf("%q", pat), Rule: "bad glob: " + err.Error()}
+		}
+	}
+	var kept []*Variant
+	for _, v := range variants {
+		for _, pat := range only {
+			if ok, _ := path.Match(pat, v.Name); ok {
+				kept = append(kept, v)
+				break
+			}
+		}
+	}
+	if len(kept) == 0 {
+		return nil, &InputError{File: "--only", Value: fmt.Sprintf("%q", strings.Join(only, " ")), Rule: "matches no variant of " + matrix}
+	}
+	return kept, nil
+}

@@ -1,0 +1,443 @@
+package main
+
+// The model: the three input files, read strictly and validated, with every value already
+// resolved against the tables. Nothing here decides a kernel shape; that is plan.go.
+
+import (
+	"fmt"
+	"regexp"
+	"slices"
+	"strings"
+
+	"gopkg.in/yaml.v3"
+)
+
+// Model is one MoE model of variants/models.yaml. Python reads the same file (name, hidden,
+// top_k, experts), so those key names are part of its contract.
+type Model struct {
+	Name    string
+	HFID    string
+	Hidden  int
+	TopK    int
+	Experts int
+}
+
+// maxTopK mirrors arfuse::kMaxTopK in csrc/arfuse/params.h.
+const maxTopK = 64
+
+var modelNameRE = regexp.MustCompile(`^[a-z0-9]+([.-][a-z0-9]+)*$`)
+var hfIDRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$`)
+
+// loadModels reads variants/models.yaml.
+func loadModels(path string) ([]*Model, error) {
+	d, root, err := load(path)
+	if err != nil {
+		return nil, err
+	}
+	if root == nil {
+		return nil, &InputError{File: path, Line: 1, Path: "models", Rule: "required key missing"}
+	}
+	top, err := d.fields(root, "", []string{"models"}, []string{"models"})
+	if err != nil {
+		return nil, err
+	}
+	items, err := d.seq(top["models"], "models")
+	if err != nil {
+		return nil, err
+	}
+	if len(items) == 0 {
+		return nil, d.errNoValue(top["models"], "models", "empty list: no models")
+	}
+	var models []*Model
+	for i, it := range items {
+		p := index("models", i)
+		f, err := d.fields(it, p, []string{"name", "hf_id", "hidden", "top_k", "experts"},
+			[]string{"name", "hf_id", "hidden", "top_k", "experts"})
+		if err != nil {
+			return nil, err
+		}
+		m := &Model{}
+		if m.Name, err = d.str(f["name"], join(p, "name")); err != nil {
+			return nil, err
+		}
+		if !modelNameRE.MatchString(m.Name) {
+			return nil, d.errAt(f["name"], join(p, "name"), "want a lower-case dashed name such as deepseek-v3")
+		}
+		for _, o := range models {
+			if o.Name == m.Name {
+				return nil, d.errAt(f["name"], join(p, "name"), "model listed twice")
+			}
+		}
+		if m.HFID, err = d.str(f["hf_id"], join(p, "hf_id")); err != nil {
+			return nil, err
+		}
+		if !hfIDRE.MatchString(m.HFID) {
+			return nil, d.errAt(f["hf_id"], join(p, "hf_id"), "want a Hugging Face id such as deepseek-ai/DeepSeek-V3")
+		}
+		if m.Hidden, err = d.integer(f["hidden"], join(p, "hidden")); err != nil {
+			return nil, err
+		}
+		if m.Hidden <= 0 || m.Hidden > maxHidden {
+			return nil, d.errAt(f["hidden"], join(p, "hidden"), "want 1 to %d", maxHidden)
+		}
+		if m.TopK, err = d.integer(f["top_k"], join(p, "top_k")); err != nil {
+			return nil, err
+		}
+		if m.TopK < 1 || m.TopK > maxTopK {
+			return nil, d.errAt(f["top_k"], join(p, "top_k"), "want 1 to %d (arfuse::kMaxTopK)", maxTopK)
+		}
+		if m.Experts, err = d.integer(f["experts"], join(p, "experts")); err != nil {
+			return nil, err
+		}
+		if m.Experts < m.TopK {
+			return nil, d.errAt(f["experts"], join(p, "experts"), "fewer experts than top_k %d", m.TopK)
+		}
+		models = append(models, m)
+	}
+	return models, nil
+}
+
+// Matrix is one variants/*.yaml file.
+type Matrix struct {
+	File    string
+	Groups  []*Group
+	Generic GenericSpec
+}
+
+// Group is one cross product of the matrix.
+type Group struct {
+	Path    string // groups[1]
+	Line    int
+	Hiddens []HiddenEntry
+	DTypes  []*DType
+	Worlds  []int
+	Algos   []*Algo
+	Outs    []*OutKind
+}
+
+// HiddenEntry is one hidden size of a group and where it came from (a model or a raw size), kept
+// so that a size the plan rejects is reported at the entry that asked for it.
+type HiddenEntry struct {
+	Hidden int
+	Model  string // "" for a raw size
+	Path   string
+	Line   int
+	Value  string
+}
+
+// GenericSpec says which generic instances to emit: Auto derives them from the groups; Groups
+// lists them explicitly.
+type GenericSpec struct {
+	Auto   bool
+	Line   int
+	Groups []*GenericGroup
+}
+
+// GenericGroup is one explicit cross product of generic instances.
+type GenericGroup struct {
+	Path   string
+	Line   int
+	DTypes []*DType
+	Algos  []*Algo
+	Outs   []*OutKind
+}
+
+var groupKeys = []string{"models", "hidden", "dtypes", "world_sizes", "algorithms", "outputs"}
+var genericKeys = []string{"dtypes", "algorithms", "outputs"}
+
+// loadMatrix reads a matrix file, resolving model names through models.
+func loadMatrix(path string, models []*Model) (*Matrix, error) {
+	d, root, err := load(path)
+	if err != nil {
+		return nil, err
+	}
+	if root == nil {
+		return nil, &InputError{File: path, Line: 1, Path: "groups", Rule: "empty matrix: the file has no groups"}
+	}
+	top, err := d.fields(root, "", []string{"groups", "generic"}, []string{"groups"})
+	if err != nil {
+		return nil, err
+	}
+	m := &Matrix{File: path}
+	items, err := d.seq(top["groups"], "groups")
+	if err != nil {
+		return nil, err
+	}
+	if len(items) == 0 {
+		return nil, d.errNoValue(top["groups"], "groups", "empty matrix: no groups")
+	}
+	for i, it := range items {
+		g, err := d.group(it, index("groups", i), models)
+		if err != nil {
+			return nil, err
+		}
+		m.Groups = append(m.Groups, g)
+	}
+	if gn, ok := top["generic"]; ok {
+		gn = resolve(gn)
+		m.Generic.Line = gn.Line
+		if gn.Kind == yaml.SequenceNode {
+			for i, it := range gn.Content {
+				g, err := d.genericGroup(it, index("generic", i))
+				if err != nil {
+					return nil, err
+				}
+				m.Generic.Groups = append(m.Generic.Groups, g)
+			}
+		} else {
+			b, err := d.boolean(gn, "generic")
+			if err != nil {
+				return nil, d.errAt(gn, "generic", "want true, false or a list of {dtypes, algorithms, outputs}, got %s", kindName(gn))
+			}
+			m.Generic.Auto = b
+		}
+	}
+	return m, nil
+}
+
+func (d *doc) group(n *yaml.Node, path string, models []*Model) (*Group, error) {
+	f, err := d.fields(n, path, groupKeys, []string{"dtypes", "world_sizes", "algorithms", "outputs"})
+	if err != nil {
+		return nil, err
+	}
+	g := &Group{Path: path, Line: resolve(n).Line}
+	if mn, ok := f["models"]; ok {
+		names, nodes, err := d.strList(mn, join(path, "models"))
+		if err != nil {
+			return nil, err
+		}
+		for i, name := range names {
+			p := index(join(path, "models"), i)
+			idx := slices.IndexFunc(models, func(m *Model) bool { return m.Name == name })
+			if idx < 0 {
+				return nil, d.errAt(resolve(nodes[i]), p, "unknown model (want one of %s)", strings.Join(modelNames(models), ", "))
+			}
+			g.Hiddens = append(g.Hiddens, HiddenEntry{Hidden: models[idx].Hidden, Model: name, Path: p, Line: resolve(nodes[i]).Line, Value: scalarText(resolve(nodes[i]))})
+		}
+	}
+	if hn, ok := f["hidden"]; ok {
+		sizes, nodes, err := d.intList(hn, join(path, "hidden"))
+		if err != nil {
+			return nil, err
+		}
+		for i, h := range sizes {
+			g.Hiddens = append(g.Hiddens, HiddenEntry{Hidden: h, Path: index(join(path, "hidden"), i), Line: resolve(nodes[i]).Line, Value: fmt.Sprint(h)})
+		}
+	}
+	if len(g.Hiddens) == 0 {
+		return nil, d.errNoValue(n, path, "empty group: no hidden sizes (give models, hidden or both)")
+	}
+	if g.DTypes, err = d.dtypeList(f["dtypes"], join(path, "dtypes")); err != nil {
+		return nil, err
+	}
+	wp := join(path, "world_sizes")
+	worlds, nodes, err := d.intList(f["world_sizes"], wp)
+	if err != nil {
+		return nil, err
+	}
+	if len(worlds) == 0 {
+		return nil, d.errNoValue(f["world_sizes"], wp, "empty list: the group would produce no variants")
+	}
+	for i, w := range worlds {
+		if !slices.Contains(worldSizes, w) {
+			return nil, d.errAt(resolve(nodes[i]), index(wp, i), "unsupported world size (want one of %s)", intsText(worldSizes))
+		}
+	}
+	g.Worlds = worlds
+	if g.Algos, err = d.algoList(f["algorithms"], join(path, "algorithms")); err != nil {
+		return nil, err
+	}
+	if g.Outs, err = d.outList(f["outputs"], join(path, "outputs")); err != nil {
+		return nil, err
+	}
+	return g, nil
+}
+
+func (d *doc) genericGroup(n *yaml.Node, path string) (*GenericGroup, error) {
+	f, err := d.fields(n, path, genericKeys, genericKeys)
+	if err != nil {
+		return nil, err
+	}
+	g := &GenericGroup{Path: path, Line: resolve(n).Line}
+	if g.DTypes, err = d.dtypeList(f["dtypes"], join(path, "dtypes")); err != nil {
+		return nil, err
+	}
+	if g.Algos, err = d.algoList(f["algorithms"], join(path, "algorithms")); err != nil {
+		return nil, err
+	}
+	if g.Outs, err = d.outList(f["outputs"], join(path, "outputs")); err != nil {
+		return nil, err
+	}
+	return g, nil
+}
+
+// nameList reads a non-empty list of names, each of which must be in want.
+func (d *doc) nameList(n *yaml.Node, path, what string, want []string) ([]string, error) {
+	names, nodes, err := d.strList(n, path)
+	if err != nil {
+		return nil, err
+	}
+	if len(names) == 0 {
+		return nil, d.errNoValue(n, path, "empty list: the group would produce no variants")
+	}
+	for i, s := range names {
+		if !slices.Contains(want, s) {
+			return nil, d.errAt(resolve(nodes[i]), index(path, i), "unknown %s (want one of %s)", what, strings.Join(want, ", "))
+		}
+	}
+	return names, nil
+}
+
+func (d *doc) dtypeList(n *yaml.Node, path string) ([]*DType, error) {
+	names, err := d.nameList(n, path, "dtype", dtypeNames())
+	var out []*DType
+	for _, s := range names {
+		out = append(out, dtypeByName(s))
+	}
+	return out, err
+}
+
+func (d *doc) algoList(n *yaml.Node, path string) ([]*Algo, error) {
+	names, err := d.nameList(n, path, "algorithm", algoNames())
+	var out []*Algo
+	for _, s := range names {
+		out = append(out, algoByName(s))
+	}
+	return out, err
+}
+
+func (d *doc) outList(n *yaml.Node, path string) ([]*OutKind, error) {
+	names, err := d.nameList(n, path, "output kind", outKindNames())
+	var out []*OutKind
+	for _, s := range names {
+		out = append(out, outKindByName(s))
+	}
+	return out, err
+}
+
+func modelNames(models []*Model) []string {
+	var s []string
+	for _, m := range models {
+		s = append(s, m.Name)
+	}
+	slices.Sort(s)
+	return s
+}
+
+func intsText(v []int) string {
+	var s []string
+	for _, x := range v {
+		s = append(s, fmt.Sprint(x))
+	}
+	return strings.Join(s, ", ")
+}
+
+// Tuning is variants/tuning.yaml: the measured one-shot/two-shot crossovers and where they were
+// measured.
+type Tuning struct {
+	File    string
+	Card    string
+	Date    string
+	Commit  string
+	Command string
+	Rows    []Threshold
+}
+
+// Threshold is one measured row: one-shot for T <= OneshotMaxTokens.
+type Threshold struct {
+	DType            *DType
+	Hidden           int
+	World            int
+	OneshotMaxTokens int
+}
+
+var dateRE = regexp.MustCompile(`^\d{4}-\d{2}-\d{2}$`)
+
+// loadTuning reads the tuning file. Its header says where the rows were measured and must be
+// filled in as soon as there is a row.
+func loadTuning(path string) (*Tuning, error) {
+	d, root, err := load(path)
+	if err != nil {
+		return nil, err
+	}
+	if root == nil {
+		return nil, &InputError{File: path, Line: 1, Path: "thresholds", Rule: "required key missing"}
+	}
+	header := []string{"card", "date", "commit", "command"}
+	keys := append(slices.Clone(header), "thresholds")
+	top, err := d.fields(root, "", keys, keys)
+	if err != nil {
+		return nil, err
+	}
+	t := &Tuning{File: path}
+	vals := map[string]*string{"card": &t.Card, "date": &t.Date, "commit": &t.Commit, "command": &t.Command}
+	for _, k := range header {
+		if *vals[k], err = d.tuningText(top[k], k); err != nil {
+			return nil, err
+		}
+	}
+	items, err := d.seq(top["thresholds"], "thresholds")
+	if err != nil {
+		return nil, err
+	}
+	if len(items) > 0 {
+		for _, k := range header {
+			if *vals[k] == "" {
+				return nil, d.errAt(top[k], k, "required once thresholds has rows (say where they were measured)")
+			}
+		}
+	}
+	if t.Date != "" && !dateRE.MatchString(t.Date) {
+		return nil, d.errAt(top["date"], "date", "want YYYY-MM-DD")
+	}
+	rowKeys := []string{"dtype", "hidden", "world_size", "oneshot_max_tokens"}
+	for i, it := range items {
+		p := index("thresholds", i)
+		f, err := d.fields(it, p, rowKeys, rowKeys)
+		if err != nil {
+			return nil, err
+		}
+		var r Threshold
+		name, err := d.str(f["dtype"], join(p, "dtype"))
+		if err != nil {
+			return nil, err
+		}
+		if r.DType = dtypeByName(name); r.DType == nil {
+			return nil, d.errAt(resolve(f["dtype"]), join(p, "dtype"), "unknown dtype (want one of %s)", strings.Join(dtypeNames(), ", "))
+		}
+		if r.Hidden, err = d.integer(f["hidden"], join(p, "hidden")); err != nil {
+			return nil, err
+		}
+		if rule := hiddenRule(r.DType, r.Hidden); rule != "" {
+			return nil, d.errAt(resolve(f["hidden"]), join(p, "hidden"), "%s", rule)
+		}
+		if r.World, err = d.integer(f["world_size"], join(p, "world_size")); err != nil {
+			return nil, err
+		}
+		if !slices.Contains(worldSizes, r.World) {
+			return nil, d.errAt(resolve(f["world_size"]), join(p, "world_size"), "unsupported world size (want one of %s)", intsText(worldSizes))
+		}
+		if r.OneshotMaxTokens, err = d.integer(f["oneshot_max_tokens"], join(p, "oneshot_max_tokens")); err != nil {
+			return nil, err
+		}
+		if r.OneshotMaxTokens <= 0 {
+			return nil, d.errAt(resolve(f["oneshot_max_tokens"]), join(p, "oneshot_max_tokens"), "threshold must be positive")
+		}
+		for j, o := range t.Rows {
+			if o.DType == r.DType && o.Hidden == r.Hidden && o.World == r.World {
+				return nil, d.errNoValue(resolve(it), p, "duplicate row: thresholds[%d] has the same dtype, hidden and world_size", j)
+			}
+		}
+		t.Rows = append(t.Rows, r)
+	}
+	return t, nil
+}
+
+// tuningText reads a header field: a string, or a YAML date for the date field.
+func (d *doc) tuningText(n *yaml.Node, path string) (string, error) {
+	r := resolve(n)
+	if path == "date" && r.Kind == yaml.ScalarNode && r.Tag == "!!timestamp" {
+		return r.Value, nil
+	}
+	return d.str(n, path)
+}

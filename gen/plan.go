@@ -1,0 +1,205 @@
+package main
+
+// The plan: every per-variant decision the device code relies on (vector width, cluster size,
+// threads and vectors per token, block shape) is taken here, in Go, and only printed by the
+// templates. Do not change these rules without changing csrc/arfuse/kernel.cuh with them.
+
+import (
+	"fmt"
+	"slices"
+	"sort"
+)
+
+// Plan is the kernel shape of one variant.
+type Plan struct {
+	Vec             int  // elements per 16-byte vector
+	Nvec            int  // vectors per row (0: generic)
+	Cluster         int  // CTAs per token (thread-block cluster size)
+	Slice           int  // vectors per CTA per token (0: generic)
+	ThreadsPerToken int  // 0: chosen at launch (generic)
+	VecsPerThread   int  // vectors each thread keeps in registers (the maximum when generic)
+	TokensPerBlock  int  // tokens one CTA handles
+	BlockThreads    int  // 0: chosen at launch (generic)
+	MaxHidden       int  // largest hidden size served
+	RowInRegisters  bool // the whole row slice stays in registers
+}
+
+// Variant is one kernel instance: its axes, its one name and its plan.
+type Variant struct {
+	Name    string
+	Generic bool
+	DType   *DType
+	Hidden  int // 0: run-time (generic)
+	World   int // 0: run-time (generic)
+	Algo    *Algo
+	Out     *OutKind
+	Models  []string // models whose hidden size this is, sorted
+	Plan    Plan
+}
+
+// variantName is the one name of a variant: file name, symbol, dispatch key and --only key.
+func variantName(dt *DType, hidden, world int, algo *Algo, out *OutKind) string {
+	return fmt.Sprintf("arfuse_%s_h%d_w%d_%s_%s", dt.Name, hidden, world, algo.Name, out.Name)
+}
+
+func genericName(dt *DType, algo *Algo, out *OutKind) string {
+	return fmt.Sprintf("arfuse_%s_generic_%s_%s", dt.Name, algo.Name, out.Name)
+}
+
+// hiddenRule returns why hidden cannot be specialised for dt, or "" if it can be.
+func hiddenRule(dt *DType, hidden int) string {
+	switch {
+	case hidden <= 0 || hidden > maxHidden:
+		return fmt.Sprintf("hidden size out of range (want 1 to %d)", maxHidden)
+	case hidden%dt.Vec() != 0:
+		return fmt.Sprintf("hidden size not a multiple of the %s vector width %d (16-byte vectors)", dt.Name, dt.Vec())
+	}
+	return ""
+}
+
+// planSpecialised plans a variant with hidden size and world size fixed at compile time, or
+// returns why it cannot be built.
+func planSpecialised(dt *DType, hidden int) (Plan, error) {
+	if rule := hiddenRule(dt, hidden); rule != "" {
+		return Plan{}, fmt.Errorf("%s", rule)
+	}
+	p := Plan{Vec: dt.Vec(), MaxHidden: hidden}
+	p.Nvec = hidden / p.Vec
+	// The largest cluster that divides the row evenly and still gives each CTA >= 128 vectors.
+	p.Cluster = 1
+	for _, c := range []int{8, 4, 2} {
+		if p.Nvec%c == 0 && p.Nvec/c >= 128 {
+			p.Cluster = c
+			break
+		}
+	}
+	p.Slice = p.Nvec / p.Cluster
+	p.ThreadsPerToken = min(roundUp(p.Slice, 32), 256)
+	p.VecsPerThread = ceilDiv(p.Slice, p.ThreadsPerToken)
+	if p.VecsPerThread > maxVecsPerThread {
+		return Plan{}, fmt.Errorf("%s row needs %d vectors per thread (max %d): it would not stay in registers",
+			dt.Name, p.VecsPerThread, maxVecsPerThread)
+	}
+	p.RowInRegisters = true
+	p.TokensPerBlock = max(1, 128/p.ThreadsPerToken)
+	p.BlockThreads = p.ThreadsPerToken * p.TokensPerBlock
+	return p, nil
+}
+
+// planGeneric plans the generic instance of a dtype: shape chosen at launch from the run-time
+// hidden size, one CTA per token, up to the register limit.
+func planGeneric(dt *DType) Plan {
+	return Plan{
+		Vec:            dt.Vec(),
+		Cluster:        1,
+		VecsPerThread:  maxVecsPerThread,
+		TokensPerBlock: 1,
+		MaxHidden:      genericMaxThreads * maxVecsPerThread * dt.Vec(),
+		RowInRegisters: true,
+	}
+}
+
+func roundUp(x, m int) int { return ceilDiv(x, m) * m }
+func ceilDiv(x, m int) int { return (x + m - 1) / m }
+
+// expand turns a matrix into its variants, sorted by name. A variant produced twice, a hidden
+// size the plan rejects and a matrix that produces nothing are errors located in the file.
+func expand(m *Matrix) ([]*Variant, error) {
+	type origin struct {
+		path string
+		line int
+	}
+	seen := map[string]origin{}
+	var out []*Variant
+	add := func(v *Variant, o origin) error {
+		if first, dup := seen[v.Name]; dup {
+			rule := fmt.Sprintf("duplicate variant (%s at line %d produces it too)", first.path, first.line)
+			if first.path == o.path {
+				rule = "duplicate variant (produced twice by this group)"
+			}
+			return &InputError{File: m.File, Line: o.line, Path: o.path, Value: fmt.Sprintf("%q", v.Name), Rule: rule}
+		}
+		seen[v.Name] = o
+		out = append(out, v)
+		return nil
+	}
+	type combo struct {
+		dt   *DType
+		algo *Algo
+		out  *OutKind
+	}
+	var used []combo
+	for _, g := range m.Groups {
+		// Hidden sizes of one group form a set: two models may share a size (DeepSeek-V3/R1).
+		var sizes []int
+		models := map[int][]string{}
+		for _, h := range g.Hiddens {
+			if !slices.Contains(sizes, h.Hidden) {
+				sizes = append(sizes, h.Hidden)
+			}
+			if h.Model != "" {
+				models[h.Hidden] = append(models[h.Hidden], h.Model)
+			}
+		}
+		for _, dt := range g.DTypes {
+			plans := map[int]Plan{}
+			for _, h := range g.Hiddens {
+				p, err := planSpecialised(dt, h.Hidden)
+				if err != nil {
+					rule := err.Error()
+					if h.Model != "" {
+						rule = fmt.Sprintf("hidden %d of this model: %s", h.Hidden, rule)
+					}
+					return nil, &InputError{File: m.File, Line: h.Line, Path: h.Path, Value: h.Value, Rule: rule}
+				}
+				plans[h.Hidden] = p
+			}
+			for _, algo := range g.Algos {
+				for _, o := range g.Outs {
+					if !slices.Contains(used, combo{dt, algo, o}) {
+						used = append(used, combo{dt, algo, o})
+					}
+					for _, h := range sizes {
+						for _, w := range g.Worlds {
+							ms := slices.Clone(models[h])
+							slices.Sort(ms)
+							v := &Variant{
+								Name: variantName(dt, h, w, algo, o), DType: dt, Hidden: h, World: w,
+								Algo: algo, Out: o, Models: ms, Plan: plans[h],
+							}
+							if err := add(v, origin{g.Path, g.Line}); err != nil {
+								return nil, err
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+	generic := func(c combo, o origin) error {
+		return add(&Variant{
+			Name: genericName(c.dt, c.algo, c.out), Generic: true, DType: c.dt,
+			Algo: c.algo, Out: c.out, Plan: planGeneric(c.dt),
+		}, o)
+	}
+	if m.Generic.Auto {
+		for _, c := range used {
+			if err := generic(c, origin{"generic", m.Generic.Line}); err != nil {
+				return nil, err
+			}
+		}
+	}
+	for _, g := range m.Generic.Groups {
+		for _, dt := range g.DTypes {
+			for _, algo := range g.Algos {
+				for _, o := range g.Outs {
+					if err := generic(combo{dt, algo, o}, origin{g.Path, g.Line}); err != nil {
+						return nil, err
+					}
+				}
+			}
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
+}

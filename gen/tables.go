@@ -1,0 +1,168 @@
+package main
+
+// Spellings live in tables: every name, C++ type and C++ enumerator the generator prints comes
+// from here, so templates never spell a type by hand and the YAML, the file names, the dispatch
+// table and the manifest agree on one vocabulary.
+
+// apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
+// Every generated C++ file static_asserts on it so that stale output stops compiling.
+const apiVersion = 3
+
+// vectorBytes is the width of one vectorised global-memory access.
+const vectorBytes = 16
+
+// maxHidden is the largest hidden size the matrix accepts for a specialised instance.
+const maxHidden = 65536
+
+// Generic-instance limits (the device code relies on them): up to 1024 threads per token, each
+// holding at most maxVecsPerThread 16-byte vectors of the row in registers.
+const (
+	genericMaxThreads = 1024
+	maxVecsPerThread  = 8
+)
+
+// DType is one activation dtype. Index is the value of the arfuse::DType enumerator: the order of
+// this table is the order of the enum in csrc/arfuse/params.h.
+type DType struct {
+	Name  string // short name used in YAML and variant names
+	CType string // C++ element type
+	Enum  string // C++ enumerator
+	Size  int    // bytes per element
+}
+
+// Vec is the number of elements in one 16-byte vector.
+func (d *DType) Vec() int { return vectorBytes / d.Size }
+
+var dtypes = []*DType{
+	{Name: "bf16", CType: "__nv_bfloat16", Enum: "arfuse::DType::kBF16", Size: 2},
+	{Name: "fp16", CType: "__half", Enum: "arfuse::DType::kFP16", Size: 2},
+	{Name: "fp32", CType: "float", Enum: "arfuse::DType::kFP32", Size: 4},
+}
+
+// Algo is one all-reduce algorithm. arfuse::Algo::kAuto is resolved on the host and is never
+// instantiated, so it is not in the table.
+type Algo struct {
+	Name string
+	Enum string
+}
+
+var algos = []*Algo{
+	{Name: "oneshot", Enum: "arfuse::Algo::kOneShot"},
+	{Name: "twoshot", Enum: "arfuse::Algo::kTwoShot"},
+}
+
+// OutKind is what the kernel writes after the RMSNorm.
+type OutKind struct {
+	Name string
+	Enum string
+}
+
+var outKinds = []*OutKind{
+	{Name: "norm", Enum: "arfuse::OutKind::kNorm"},
+	{Name: "fp8_static", Enum: "arfuse::OutKind::kFP8Static"},
+}
+
+// worldSizes are the tensor-parallel group sizes a specialised instance may be built for
+// (arfuse::kMaxWorld is 16).
+var worldSizes = []int{2, 4, 8, 16}
+
+// Op is one torch operator: its schema and the arfuse::ops functions that implement it. An op
+// with a CatchAll function is registered with m.def(schema, fn); the others are defined by schema
+// only and get one kernel per dispatch key.
+type Op struct {
+	Name      string
+	Signature string // the schema without the name: "(int comm) -> int"
+	CatchAll  string
+	Kernels   []OpKernel // in the order of dispatchKeys
+}
+
+// OpKernel binds an op to one implementation function for one dispatch key.
+type OpKernel struct {
+	Key string
+	Fn  string
+}
+
+// dispatchKeys is the order of the TORCH_LIBRARY_IMPL blocks.
+var dispatchKeys = []string{"CUDA", "Meta"}
+
+// opsNamespace is where the implementation functions live (csrc/arfuse/ops.h).
+const opsNamespace = "arfuse::ops"
+
+var ops = []Op{
+	{Name: "comm_create", Signature: "(int rank, int world_size, int hidden, ScalarType dtype, int max_tokens, int oneshot_max_tokens, int ranks_per_device, Device device, float timeout_s) -> int", CatchAll: "comm_create"},
+	{Name: "comm_ipc_handle", Signature: "(int comm) -> Tensor", CatchAll: "comm_ipc_handle"},
+	{Name: "comm_open_peers", Signature: "(int comm, Tensor handles) -> ()", CatchAll: "comm_open_peers"},
+	{Name: "comm_set_local_peers", Signature: "(int comm, int[] comms) -> ()", CatchAll: "comm_set_local_peers"},
+	{Name: "comm_destroy", Signature: "(int comm) -> ()", CatchAll: "comm_destroy"},
+	{Name: "comm_status", Signature: "(int comm) -> int", CatchAll: "comm_status"},
+	{Name: "comm_info", Signature: "(int comm) -> int[]", CatchAll: "comm_info"},
+	{Name: "fused", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, Tensor? fp8_scale, int comm, int algorithm) -> (Tensor, Tensor)",
+		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused"}, {Key: "Meta", Fn: "fused_meta"}}},
+	{Name: "fused_inplace", Signature: "(Tensor(a!) input, Tensor(b!) residual, Tensor? shared_out, Tensor gamma, float eps, float weight_bias, float routed_scaling, int comm, int algorithm) -> ()",
+		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused_inplace"}, {Key: "Meta", Fn: "fused_inplace_meta"}}},
+	{Name: "moe_finalize", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, float routed_scaling, int num_tokens) -> Tensor",
+		Kernels: []OpKernel{{Key: "CUDA", Fn: "moe_finalize"}, {Key: "Meta", Fn: "moe_finalize_meta"}}},
+	{Name: "supported_variants", Signature: "() -> str[]", CatchAll: "supported_variants"},
+	{Name: "instance_for", Signature: "(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind) -> str", CatchAll: "instance_for"},
+	{Name: "oneshot_threshold", Signature: "(ScalarType dtype, int hidden, int world_size) -> int", CatchAll: "oneshot_threshold"},
+}
+
+func dtypeByName(name string) *DType {
+	for _, d := range dtypes {
+		if d.Name == name {
+			return d
+		}
+	}
+	return nil
+}
+
+func algoByName(name string) *Algo {
+	for _, a := range algos {
+		if a.Name == name {
+			return a
+		}
+	}
+	return nil
+}
+
+func outKindByName(name string) *OutKind {
+	for _, o := range outKinds {
+		if o.Name == name {
+			return o
+		}
+	}
+	return nil
+}
+
+func dtypeNames() []string {
+	var s []string
+	for _, d := range dtypes {
+		s = append(s, d.Name)
+	}
+	return s
+}
+
+func algoNames() []string {
+	var s []string
+	for _, a := range algos {
+		s = append(s, a.Name)
+	}
+	return s
+}
+
+func outKindNames() []string {
+	var s []string
+	for _, o := range outKinds {
+		s = append(s, o.Name)
+	}
+	return s
+}
+
+func dtypeIndex(d *DType) int {
+	for i, x := range dtypes {
+		if x == d {
+			return i
+		}
+	}
+	return -1
+}
