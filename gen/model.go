@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"slices"
 	"strings"
+	"unicode"
 
 	"gopkg.in/yaml.v3"
 )
@@ -352,6 +353,7 @@ type Threshold struct {
 }
 
 var dateRE = regexp.MustCompile(`^\d{4}-\d{2}-\d{2}$`)
+var commitRE = regexp.MustCompile(`^[0-9a-f]{7,40}$`)
 
 // loadTuning reads the tuning file. Its header says where the rows were measured and must be
 // filled in as soon as there is a row.
@@ -383,12 +385,15 @@ func loadTuning(path string) (*Tuning, error) {
 	if len(items) > 0 {
 		for _, k := range header {
 			if *vals[k] == "" {
-				return nil, d.errAt(top[k], k, "required once thresholds has rows (say where they were measured)")
+				return nil, d.errAt(resolve(top[k]), k, "required once thresholds has rows (say where they were measured)")
 			}
 		}
 	}
 	if t.Date != "" && !dateRE.MatchString(t.Date) {
-		return nil, d.errAt(top["date"], "date", "want YYYY-MM-DD")
+		return nil, d.errAt(resolve(top["date"]), "date", "want YYYY-MM-DD")
+	}
+	if t.Commit != "" && !commitRE.MatchString(t.Commit) {
+		return nil, d.errAt(resolve(top["commit"]), "commit", "want a git commit hash (7 to 40 lower-case hex digits)")
 	}
 	rowKeys := []string{"dtype", "hidden", "world_size", "oneshot_max_tokens"}
 	for i, it := range items {
@@ -433,11 +438,16 @@ func loadTuning(path string) (*Tuning, error) {
 	return t, nil
 }
 
-// tuningText reads a header field: a string, or a YAML date for the date field.
+// tuningText reads a header field: free text, so any plain scalar is taken as written (an
+// all-digit commit such as 0123456 or a date is not a string to YAML).
 func (d *doc) tuningText(n *yaml.Node, path string) (string, error) {
 	r := resolve(n)
-	if path == "date" && r.Kind == yaml.ScalarNode && r.Tag == "!!timestamp" {
-		return r.Value, nil
+	if r.Kind != yaml.ScalarNode || r.Tag == "!!null" {
+		return "", d.errAt(r, path, "want a string, got %s", kindName(r))
 	}
-	return d.str(n, path)
+	// Printed into a C++ // comment: one line, and no trailing backslash (a line continuation).
+	if strings.IndexFunc(r.Value, func(c rune) bool { return !unicode.IsPrint(c) }) >= 0 || strings.HasSuffix(r.Value, `\`) {
+		return "", d.errAt(r, path, "want one line of printable text, not ending in a backslash")
+	}
+	return r.Value, nil
 }

@@ -12,6 +12,7 @@ import (
 	"io"
 	"os"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -179,7 +180,7 @@ func (d *doc) fields(n *yaml.Node, path string, allowed, required []string) (map
 		if k.Kind != yaml.ScalarNode {
 			return nil, d.errNoValue(k, path, "want a plain key, got %s", kindName(k))
 		}
-		if !contains(allowed, k.Value) {
+		if !slices.Contains(allowed, k.Value) {
 			return nil, d.errNoValue(k, join(path, k.Value), "unknown key (want one of %s)", strings.Join(allowed, ", "))
 		}
 		if _, dup := got[k.Value]; dup {
@@ -248,7 +249,7 @@ func (d *doc) strList(n *yaml.Node, path string) ([]string, []*yaml.Node, error)
 		if err != nil {
 			return nil, nil, err
 		}
-		if contains(out, s) {
+		if slices.Contains(out, s) {
 			return nil, nil, d.errAt(resolve(it), index(path, i), "listed twice")
 		}
 		out = append(out, s)
@@ -276,13 +277,4 @@ func (d *doc) intList(n *yaml.Node, path string) ([]int, []*yaml.Node, error) {
 		out = append(out, v)
 	}
 	return out, items, nil
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }

@@ -1,0 +1,256 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// writeTemp writes content to dir/name and returns the path.
+func writeTemp(t *testing.T, dir, name, content string) string {
+	t.Helper()
+	p := filepath.Join(dir, name)
+	if err := os.WriteFile(p, []byte(content), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func testModels(t *testing.T) []*Model {
+	t.Helper()
+	m, err := loadModels("testdata/models.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// expandText loads a matrix given as text and expands it.
+func expandText(t *testing.T, text string) ([]*Variant, error) {
+	t.Helper()
+	p := writeTemp(t, t.TempDir(), "m.yaml", text)
+	m, err := loadMatrix(p, testModels(t))
+	if err != nil {
+		return nil, err
+	}
+	return expand(m)
+}
+
+// stripFile removes the temporary file name from an error, leaving ":line: path: value: rule".
+func stripFile(err error) string {
+	if err == nil {
+		return "<nil>"
+	}
+	s := err.Error()
+	if i := strings.Index(s, "m.yaml"); i >= 0 {
+		return s[i+len("m.yaml"):]
+	}
+	if i := strings.Index(s, "t.yaml"); i >= 0 {
+		return s[i+len("t.yaml"):]
+	}
+	return s
+}
+
+func names(vs []*Variant) []string {
+	var s []string
+	for _, v := range vs {
+		s = append(s, v.Name)
+	}
+	return s
+}
+
+func TestMatrixAccepts(t *testing.T) {
+	cases := []struct {
+		name, text string
+		want       []string
+	}{
+		{"models sharing a hidden size and a raw duplicate of it are one size", `
+groups:
+  - models: [deepseek-v3, deepseek-r1]
+    hidden: [7168]
+    dtypes: [bf16]
+    world_sizes: [8]
+    algorithms: [oneshot]
+    outputs: [norm]
+`, []string{"arfuse_bf16_h7168_w8_oneshot_norm"}},
+		{"generic true follows the groups", `
+groups:
+  - hidden: [2048]
+    dtypes: [fp16]
+    world_sizes: [2]
+    algorithms: [twoshot]
+    outputs: [fp8_static]
+generic: true
+`, []string{"arfuse_fp16_generic_twoshot_fp8_static", "arfuse_fp16_h2048_w2_twoshot_fp8_static"}},
+		{"generic false and anchors", `
+groups:
+  - &g
+    hidden: [2048]
+    dtypes: &d [fp32]
+    world_sizes: [16]
+    algorithms: [oneshot]
+    outputs: [norm]
+  - hidden: [4096]
+    dtypes: *d
+    world_sizes: [16]
+    algorithms: [oneshot]
+    outputs: [norm]
+generic: false
+`, []string{"arfuse_fp32_h2048_w16_oneshot_norm", "arfuse_fp32_h4096_w16_oneshot_norm"}},
+		{"explicit generic list", `
+groups:
+  - hidden: [2048]
+    dtypes: [bf16]
+    world_sizes: [2]
+    algorithms: [oneshot]
+    outputs: [norm]
+generic:
+  - dtypes: [fp32]
+    algorithms: [oneshot, twoshot]
+    outputs: [norm]
+`, []string{"arfuse_bf16_h2048_w2_oneshot_norm", "arfuse_fp32_generic_oneshot_norm", "arfuse_fp32_generic_twoshot_norm"}},
+	}
+	for _, c := range cases {
+		vs, err := expandText(t, c.text)
+		if err != nil {
+			t.Errorf("%s: %v", c.name, err)
+			continue
+		}
+		if got := strings.Join(names(vs), " "); got != strings.Join(c.want, " ") {
+			t.Errorf("%s:\n got %s\nwant %s", c.name, got, strings.Join(c.want, " "))
+		}
+	}
+}
+
+func TestMatrixModelsRecorded(t *testing.T) {
+	vs, err := expandText(t, `
+groups:
+  - models: [deepseek-v3, deepseek-r1]
+    dtypes: [bf16]
+    world_sizes: [8]
+    algorithms: [oneshot]
+    outputs: [norm]
+`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := strings.Join(vs[0].Models, ","); got != "deepseek-r1,deepseek-v3" {
+		t.Errorf("models %q", got)
+	}
+}
+
+// Each rule of the matrix, with the exact message after the file name. The golden cases under
+// testdata/ cover the same rules end to end through run().
+func TestMatrixRejects(t *testing.T) {
+	const tail = `
+    world_sizes: [8]
+    algorithms: [oneshot]
+    outputs: [norm]
+`
+	cases := []struct{ text, want string }{
+		{"", `:1: groups: empty matrix: the file has no groups`},
+		{"# only a comment\n", `:1: groups: empty matrix: the file has no groups`},
+		{"groups: []\n", `:1: groups: empty matrix: no groups`},
+		{"- a\n", `:1: want a mapping at the top level, got a list`},
+		{"groups: [\n", `:1: malformed YAML: did not find expected node content`},
+		{"groups:\n  - hidden: [8]\n    hidden: [16]\n", `:3: groups[0].hidden: key given twice`},
+		{"groups: []\n---\ngroups: []\n", `:2: malformed YAML: more than one document`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]" + tail + "extra: 1\n", `:7: extra: unknown key (want one of groups, generic)`},
+		{"groups:\n  - hidden: [2048]\n    dtype: [bf16]" + tail, `:3: groups[0].dtype: unknown key (want one of models, hidden, dtypes, world_sizes, algorithms, outputs)`},
+		{"groups:\n  - hidden: [2048]" + tail, `:2: groups[0].dtypes: required key missing`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: bf16" + tail, `:3: groups[0].dtypes: "bf16": want a list, got a string`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: []" + tail, `:3: groups[0].dtypes: empty list: the group would produce no variants`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16, bf16]" + tail, `:3: groups[0].dtypes[1]: "bf16": listed twice`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf8]" + tail, `:3: groups[0].dtypes[0]: "bf8": unknown dtype (want one of bf16, fp16, fp32)`},
+		{"groups:\n  - hidden: [2048.0]\n    dtypes: [bf16]" + tail, `:2: groups[0].hidden[0]: 2048.0: want an integer, got a number`},
+		{"groups:\n  - hidden: []\n    dtypes: [bf16]" + tail, `:2: groups[0]: empty group: no hidden sizes (give models, hidden or both)`},
+		{"groups:\n  - hidden: [2052]\n    dtypes: [bf16]" + tail, `:2: groups[0].hidden[0]: 2052: hidden size not a multiple of the bf16 vector width 8 (16-byte vectors)`},
+		{"groups:\n  - hidden: [8196]\n    dtypes: [fp32]" + tail, `:2: groups[0].hidden[0]: 8196: fp32 row needs 9 vectors per thread (max 8): it would not stay in registers`},
+		{"groups:\n  - models: [deepseek-v4]\n    dtypes: [bf16]" + tail, `:2: groups[0].models[0]: "deepseek-v4": unknown model (want one of deepseek-r1, deepseek-v3, gpt-oss-120b, qwen3-235b-a22b, qwen3-30b-a3b)`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [3]\n    algorithms: [oneshot]\n    outputs: [norm]\n", `:4: groups[0].world_sizes[0]: 3: unsupported world size (want one of 2, 4, 8, 16)`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [threeshot]\n    outputs: [norm]\n", `:5: groups[0].algorithms[0]: "threeshot": unknown algorithm (want one of oneshot, twoshot)`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [oneshot]\n    outputs: [fp8]\n", `:6: groups[0].outputs[0]: "fp8": unknown output kind (want one of norm, fp8_static)`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]" + tail + "generic: yes please\n", `:7: generic: "yes please": want true, false or a list of {dtypes, algorithms, outputs}, got a string`},
+		{"groups:\n  - models: [qwen3-30b-a3b]\n    dtypes: [bf16]" + tail + "  - hidden: [2048, 4096]\n    dtypes: [bf16]" + tail,
+			`:7: groups[1]: "arfuse_bf16_h2048_w8_oneshot_norm": duplicate variant (groups[0] at line 2 produces it too)`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]" + tail + "generic:\n  - dtypes: [bf16]\n    algorithms: [oneshot]\n    outputs: [norm]\n  - dtypes: [bf16]\n    algorithms: [oneshot]\n    outputs: [norm]\n",
+			`:11: generic[1]: "arfuse_bf16_generic_oneshot_norm": duplicate variant (generic[0] at line 8 produces it too)`},
+	}
+	for _, c := range cases {
+		_, err := expandText(t, c.text)
+		if got := stripFile(err); got != c.want {
+			t.Errorf("matrix %q:\n got %s\nwant %s", c.text, got, c.want)
+		}
+	}
+}
+
+func TestTuning(t *testing.T) {
+	dir := t.TempDir()
+	ok := `card: NVIDIA H200
+date: 2025-01-31
+commit: 0123abc
+command: python -m arfuse.bench --sweep
+thresholds:
+  - {dtype: fp16, hidden: 4096, world_size: 4, oneshot_max_tokens: 64}
+  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 128}
+`
+	tu, err := loadTuning(writeTemp(t, dir, "t.yaml", ok))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tu.Date != "2025-01-31" || len(tu.Rows) != 2 || tu.Rows[1].OneshotMaxTokens != 128 {
+		t.Errorf("parsed %+v", tu)
+	}
+	g := newGen("m.yaml", nil, nil, tu)
+	if g.Tuning.Rows[0].DType.Name != "bf16" || tu.Rows[0].DType.Name != "fp16" {
+		t.Errorf("rows not sorted in a copy: %+v", g.Tuning.Rows)
+	}
+	head := "card: c\ndate: \"2025-01-31\"\ncommit: 0123456\ncommand: bench\n"
+	cases := []struct{ text, want string }{
+		{"card: \"\"\ndate: \"\"\ncommit: \"\"\ncommand: \"\"\nthresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 1}\n",
+			`:1: card: "": required once thresholds has rows (say where they were measured)`},
+		{head + "thresholds: []\nextra: 1\n", `:6: extra: unknown key (want one of card, date, commit, command, thresholds)`},
+		{"card: c\ndate: \"2025\"\ncommit: 0123456\ncommand: bench\nthresholds: []\n", `:2: date: "2025": want YYYY-MM-DD`},
+		{"card: c\ndate: 2025-01-31\ncommit: main\ncommand: bench\nthresholds: []\n", `:3: commit: "main": want a git commit hash (7 to 40 lower-case hex digits)`},
+		{"card: [c]\ndate: 2025-01-31\ncommit: 0123456\ncommand: bench\nthresholds: []\n", `:1: card: want a string, got a list`},
+		{"card: \"a\\nb\"\ndate: \"\"\ncommit: \"\"\ncommand: \"\"\nthresholds: []\n", `:1: card: "a\nb": want one line of printable text, not ending in a backslash`},
+		{head + "thresholds:\n  - {dtype: bf8, hidden: 7168, world_size: 8, oneshot_max_tokens: 1}\n", `:6: thresholds[0].dtype: "bf8": unknown dtype (want one of bf16, fp16, fp32)`},
+		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 0}\n", `:6: thresholds[0].oneshot_max_tokens: 0: threshold must be positive`},
+		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: -4}\n", `:6: thresholds[0].oneshot_max_tokens: -4: threshold must be positive`},
+		{head + "thresholds:\n  - {dtype: bf16, hidden: 7170, world_size: 8, oneshot_max_tokens: 4}\n", `:6: thresholds[0].hidden: 7170: hidden size not a multiple of the bf16 vector width 8 (16-byte vectors)`},
+		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 6, oneshot_max_tokens: 4}\n", `:6: thresholds[0].world_size: 6: unsupported world size (want one of 2, 4, 8, 16)`},
+		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8}\n", `:6: thresholds[0].oneshot_max_tokens: required key missing`},
+		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 4}\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 8}\n",
+			`:7: thresholds[1]: duplicate row: thresholds[0] has the same dtype, hidden and world_size`},
+	}
+	for _, c := range cases {
+		_, err := loadTuning(writeTemp(t, dir, "t.yaml", c.text))
+		if got := stripFile(err); got != c.want {
+			t.Errorf("tuning %q:\n got %s\nwant %s", c.text, got, c.want)
+		}
+	}
+}
+
+func TestModels(t *testing.T) {
+	dir := t.TempDir()
+	row := func(name, hf string, hidden, topk, experts int) string {
+		return "  - {name: " + name + ", hf_id: " + hf + ", hidden: " + strconv.Itoa(hidden) + ", top_k: " + strconv.Itoa(topk) + ", experts: " + strconv.Itoa(experts) + "}\n"
+	}
+	cases := []struct{ text, want string }{
+		{"models:\n" + row("DeepSeek-V3", "deepseek-ai/DeepSeek-V3", 7168, 8, 256), `:2: models[0].name: "DeepSeek-V3": want a lower-case dashed name such as deepseek-v3`},
+		{"models:\n" + row("a", "x/y", 7168, 8, 256) + row("a", "x/y", 7168, 8, 256), `:3: models[1].name: "a": model listed twice`},
+		{"models:\n" + row("a", "nohf", 7168, 8, 256), `:2: models[0].hf_id: "nohf": want a Hugging Face id such as deepseek-ai/DeepSeek-V3`},
+		{"models:\n" + row("a", "x/y", 7168, 65, 256), `:2: models[0].top_k: 65: want 1 to 64 (arfuse::kMaxTopK)`},
+		{"models:\n" + row("a", "x/y", 7168, 8, 4), `:2: models[0].experts: 4: fewer experts than top_k 8`},
+		{"models:\n" + row("a", "x/y", 0, 8, 8), `:2: models[0].hidden: 0: want 1 to 65536`},
+		{"models: []\n", `:1: models: empty list: no models`},
+	}
+	for _, c := range cases {
+		_, err := loadModels(writeTemp(t, dir, "m.yaml", c.text))
+		if got := stripFile(err); got != c.want {
+			t.Errorf("models %q:\n got %s\nwant %s", c.text, got, c.want)
+		}
+	}
+}

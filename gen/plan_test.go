@@ -1,0 +1,103 @@
+package main
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestPlanSpecialised(t *testing.T) {
+	cases := []struct {
+		dtype  string
+		hidden int
+		want   Plan
+	}{
+		// Cluster 4: 896 vectors, 4 CTAs of 224 (8 would leave 112 < 128).
+		{"bf16", 7168, Plan{Vec: 8, Nvec: 896, Cluster: 4, Slice: 224, ThreadsPerToken: 224, VecsPerThread: 1, TokensPerBlock: 1, BlockThreads: 224, MaxHidden: 7168, RowInRegisters: true}},
+		// gpt-oss-120b: 360 vectors, cluster 2 (4 would leave 90), slice 180 rounds up to 192 threads.
+		{"bf16", 2880, Plan{Vec: 8, Nvec: 360, Cluster: 2, Slice: 180, ThreadsPerToken: 192, VecsPerThread: 1, TokensPerBlock: 1, BlockThreads: 192, MaxHidden: 2880, RowInRegisters: true}},
+		// fp32 halves the vector: 1792 vectors, cluster 8 of 224.
+		{"fp32", 7168, Plan{Vec: 4, Nvec: 1792, Cluster: 8, Slice: 224, ThreadsPerToken: 224, VecsPerThread: 1, TokensPerBlock: 1, BlockThreads: 224, MaxHidden: 7168, RowInRegisters: true}},
+		{"bf16", 2048, Plan{Vec: 8, Nvec: 256, Cluster: 2, Slice: 128, ThreadsPerToken: 128, VecsPerThread: 1, TokensPerBlock: 1, BlockThreads: 128, MaxHidden: 2048, RowInRegisters: true}},
+		{"fp16", 4096, Plan{Vec: 8, Nvec: 512, Cluster: 4, Slice: 128, ThreadsPerToken: 128, VecsPerThread: 1, TokensPerBlock: 1, BlockThreads: 128, MaxHidden: 4096, RowInRegisters: true}},
+		// Small rows: one CTA per token, several tokens per block.
+		{"bf16", 512, Plan{Vec: 8, Nvec: 64, Cluster: 1, Slice: 64, ThreadsPerToken: 64, VecsPerThread: 1, TokensPerBlock: 2, BlockThreads: 128, MaxHidden: 512, RowInRegisters: true}},
+		{"bf16", 8, Plan{Vec: 8, Nvec: 1, Cluster: 1, Slice: 1, ThreadsPerToken: 32, VecsPerThread: 1, TokensPerBlock: 4, BlockThreads: 128, MaxHidden: 8, RowInRegisters: true}},
+		// Odd vector count: no cluster divides it, 256 threads hold 4 vectors each.
+		{"fp16", 8184, Plan{Vec: 8, Nvec: 1023, Cluster: 1, Slice: 1023, ThreadsPerToken: 256, VecsPerThread: 4, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 8184, RowInRegisters: true}},
+		{"bf16", 65536, Plan{Vec: 8, Nvec: 8192, Cluster: 8, Slice: 1024, ThreadsPerToken: 256, VecsPerThread: 4, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 65536, RowInRegisters: true}},
+	}
+	for _, c := range cases {
+		got, err := planSpecialised(dtypeByName(c.dtype), c.hidden)
+		if err != nil {
+			t.Errorf("%s %d: %v", c.dtype, c.hidden, err)
+			continue
+		}
+		if got != c.want {
+			t.Errorf("%s %d:\n got %+v\nwant %+v", c.dtype, c.hidden, got, c.want)
+		}
+	}
+}
+
+func TestPlanRejects(t *testing.T) {
+	cases := []struct {
+		dtype  string
+		hidden int
+		want   string
+	}{
+		{"fp32", 8196, "fp32 row needs 9 vectors per thread (max 8): it would not stay in registers"},
+		{"bf16", 1004, "hidden size not a multiple of the bf16 vector width 8 (16-byte vectors)"},
+		{"fp32", 1002, "hidden size not a multiple of the fp32 vector width 4 (16-byte vectors)"},
+		{"bf16", 0, "hidden size out of range (want 1 to 65536)"},
+		{"fp16", 65544, "hidden size out of range (want 1 to 65536)"},
+	}
+	for _, c := range cases {
+		_, err := planSpecialised(dtypeByName(c.dtype), c.hidden)
+		if err == nil || err.Error() != c.want {
+			t.Errorf("%s %d: got %v, want %q", c.dtype, c.hidden, err, c.want)
+		}
+	}
+}
+
+// Every hidden size the plan accepts gives a shape the device code can run.
+func TestPlanInvariants(t *testing.T) {
+	for _, dt := range dtypes {
+		for h := dt.Vec(); h <= maxHidden; h += dt.Vec() {
+			p, err := planSpecialised(dt, h)
+			if err != nil {
+				if !strings.Contains(err.Error(), "registers") {
+					t.Fatalf("%s %d: %v", dt.Name, h, err)
+				}
+				continue
+			}
+			ok := p.Cluster*p.Slice == p.Nvec && p.ThreadsPerToken%32 == 0 && p.ThreadsPerToken <= 256 &&
+				p.ThreadsPerToken*p.VecsPerThread >= p.Slice && p.VecsPerThread <= maxVecsPerThread &&
+				p.BlockThreads <= 256 && p.BlockThreads == p.ThreadsPerToken*p.TokensPerBlock &&
+				(p.Cluster == 1 || p.Slice >= 128)
+			if !ok {
+				t.Fatalf("%s %d: bad plan %+v", dt.Name, h, p)
+			}
+		}
+	}
+}
+
+func TestPlanGeneric(t *testing.T) {
+	for dt, maxH := range map[string]int{"bf16": 65536, "fp16": 65536, "fp32": 32768} {
+		p := planGeneric(dtypeByName(dt))
+		want := Plan{Vec: 16 / dtypeByName(dt).Size, Cluster: 1, VecsPerThread: 8, TokensPerBlock: 1, MaxHidden: maxH, RowInRegisters: true}
+		if p != want {
+			t.Errorf("%s: got %+v want %+v", dt, p, want)
+		}
+	}
+}
+
+func TestNames(t *testing.T) {
+	if got := variantName(dtypeByName("bf16"), 7168, 8, algoByName("oneshot"), outKindByName("norm")); got != "arfuse_bf16_h7168_w8_oneshot_norm" {
+		t.Errorf("specialised name %q", got)
+	}
+	if got := genericName(dtypeByName("bf16"), algoByName("oneshot"), outKindByName("norm")); got != "arfuse_bf16_generic_oneshot_norm" {
+		t.Errorf("generic name %q", got)
+	}
+	if got := variantName(dtypeByName("fp32"), 2880, 16, algoByName("twoshot"), outKindByName("fp8_static")); got != "arfuse_fp32_h2880_w16_twoshot_fp8_static" {
+		t.Errorf("fp8 name %q", got)
+	}
+}
