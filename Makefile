@@ -1,0 +1,148 @@
+# arfuse build.
+#
+#   make                 generate the default matrix into out/, compile it, link the torch extension
+#                        into arfuse/_lib/ and build the wheel into dist/
+#   make test            Go checks and tests, a full nvcc build of variants/ci.yaml, Python tests
+#                        (GPU tests run when a GPU is present and are reported skipped otherwise)
+#   make MATRIX=ci|default|full      choose the matrix for `make`
+#
+# Data flow: variants/*.yaml -> go run ./gen -> out/ (kernels/*.cu, dispatch, registration,
+# manifest, sources.mk) -> nvcc / g++ -> libarfuse_ops.so -> wheel.
+# On the GPU machine (no Go, no network): make lib SKIP_GEN=1 PYTHON=python3 NVCC=nvcc
+
+MATRIX    ?= default
+OUT       ?= out
+BUILD     ?= build/$(MATRIX)
+LIBDIR    ?= arfuse/_lib
+SKIP_GEN  ?= 0
+GO        ?= go
+VENV      ?= .venv
+PYTHON    ?= $(VENV)/bin/python
+JOBS      ?= $(shell nproc 2>/dev/null || echo 2)
+ARCH_FLAGS ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+
+LIB       := $(LIBDIR)/libarfuse_ops.so
+HAND_CU   := csrc/kernels.cu
+HAND_CXX  := csrc/ops.cpp csrc/meta.cpp csrc/dispatch.cpp
+HEADERS   := $(wildcard csrc/arfuse/*.h csrc/arfuse/*.cuh)
+
+.PHONY: all env toolchain generate lib wheel test test-go test-python test-gpu check-generated clean help
+.DEFAULT_GOAL := all
+
+all: wheel
+
+help:
+	@sed -n '3,13p' Makefile
+
+# ---- environment -------------------------------------------------------------------------------
+env:
+ifeq ($(PYTHON),$(VENV)/bin/python)
+	@scripts/bootstrap.sh $(VENV)
+endif
+
+# nvcc: NVCC if given, else nvcc on PATH when its CUDA major matches torch's, else the project-local
+# toolchain from the Python package registry (scripts/install-cuda.sh).
+toolchain: env
+	@nvcc_path="$(NVCC)"; \
+	if [ -z "$$nvcc_path" ]; then \
+	  want=$$($(PYTHON) -c 'import torch; print((torch.version.cuda or "").split(".")[0])'); \
+	  if command -v nvcc >/dev/null 2>&1 && nvcc --version | grep -q "release $$want\."; then nvcc_path=$$(command -v nvcc); \
+	  else nvcc_path=$$(scripts/install-cuda.sh $(PYTHON) .cuda | tail -n 1); fi; \
+	fi; \
+	mkdir -p build; echo "$$nvcc_path" > build/nvcc.path; echo "nvcc: $$nvcc_path"
+
+generate:
+ifeq ($(SKIP_GEN),0)
+	$(GO) run ./gen --matrix $(MATRIX) --out $(OUT)
+endif
+
+lib: toolchain generate
+	@$(MAKE) --no-print-directory -j$(JOBS) _lib MATRIX=$(MATRIX) OUT=$(OUT) BUILD=$(BUILD) LIBDIR=$(LIBDIR) PYTHON=$(PYTHON)
+
+wheel: lib
+	@cp variants/models.yaml $(LIBDIR)/models.yaml
+	@cp $(OUT)/manifest.json $(LIBDIR)/manifest.json
+	rm -rf dist build/wheel && $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	@ls -l dist/*.whl
+
+# ---- the compile and link step (a second make, so that it reads the freshly generated list) ----
+ifneq ($(filter _lib,$(MAKECMDGOALS)),)
+ARFUSE_OUT := $(OUT)
+include $(OUT)/sources.mk
+NVCC_BIN   := $(shell cat build/nvcc.path)
+CUDA_HOME  := $(abspath $(dir $(NVCC_BIN))/..)
+TORCH_DIR  := $(shell $(PYTHON) -c 'import os, torch; print(os.path.dirname(torch.__file__))')
+TORCH_ABI  := $(shell $(PYTHON) -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
+CUDART_DIR := $(shell $(PYTHON) -c 'import glob, os, torch; c = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu*", "lib", "libcudart.so*")); print(os.path.dirname(os.path.abspath(c[0])) if c else "")')
+NVCC_FLAGS := -std=c++17 -O3 $(ARCH_FLAGS) -Xcompiler -fPIC -Icsrc -I$(OUT) -DNDEBUG -lineinfo
+CXX_FLAGS  := -std=c++17 -O2 -fPIC -Icsrc -I$(OUT) -I$(CUDA_HOME)/include \
+              -isystem $(TORCH_DIR)/include -isystem $(TORCH_DIR)/include/torch/csrc/api/include \
+              -D_GLIBCXX_USE_CXX11_ABI=$(TORCH_ABI) -DNDEBUG -Wall -Wno-unused-function
+LD_FLAGS   := -shared -L$(TORCH_DIR)/lib -lc10 -lc10_cuda -ltorch_cpu \
+              $(if $(CUDART_DIR),-L$(CUDART_DIR),-L$(CUDA_HOME)/lib -L$(CUDA_HOME)/lib64) -l:libcudart.so.13
+
+CU_OBJS  := $(patsubst $(OUT)/%.cu,$(BUILD)/gen/%.o,$(ARFUSE_CU_SOURCES)) $(BUILD)/csrc/kernels.o
+CXX_OBJS := $(patsubst $(OUT)/%.cpp,$(BUILD)/gen/%.o,$(ARFUSE_CXX_SOURCES)) \
+            $(patsubst csrc/%.cpp,$(BUILD)/csrc/%.o,$(HAND_CXX))
+
+_lib: $(LIB)
+
+$(LIB): $(CU_OBJS) $(CXX_OBJS)
+	@mkdir -p $(dir $@)
+	g++ -o $@ $^ $(LD_FLAGS)
+	@echo "built $@ ($$(du -h $@ | cut -f1), $(words $(ARFUSE_CU_SOURCES)) generated CUDA sources)"
+
+$(BUILD)/gen/%.o: $(OUT)/%.cu $(HEADERS)
+	@mkdir -p $(dir $@)
+	@echo "nvcc $<"
+	@$(NVCC_BIN) $(NVCC_FLAGS) -c $< -o $@
+
+$(BUILD)/csrc/%.o: csrc/%.cu $(HEADERS)
+	@mkdir -p $(dir $@)
+	@echo "nvcc $<"
+	@$(NVCC_BIN) $(NVCC_FLAGS) -c $< -o $@
+
+$(BUILD)/gen/%.o: $(OUT)/%.cpp $(HEADERS)
+	@mkdir -p $(dir $@)
+	@echo "g++ $<"
+	@g++ $(CXX_FLAGS) -c $< -o $@
+
+$(BUILD)/csrc/%.o: csrc/%.cpp $(HEADERS)
+	@mkdir -p $(dir $@)
+	@echo "g++ $<"
+	@g++ $(CXX_FLAGS) -c $< -o $@
+endif
+
+# ---- tests ---------------------------------------------------------------------------------------
+CI_OUT   := build/ci/out
+CI_LIB   := build/ci/lib
+
+test: test-go check-generated
+	@$(MAKE) --no-print-directory lib MATRIX=ci OUT=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN) -j$(JOBS)
+	@$(MAKE) --no-print-directory test-python
+
+test-go:
+ifeq ($(SKIP_GEN),0)
+	$(GO) vet ./...
+	@test -z "$$(gofmt -l gen templates)" || { echo "gofmt would change:"; gofmt -l gen templates; exit 1; }
+	$(GO) test ./...
+endif
+
+# The committed templates and matrices must generate exactly what a fresh run generates.
+check-generated:
+ifeq ($(SKIP_GEN),0)
+	@rm -rf build/check && $(GO) run ./gen --matrix ci --out build/check >/dev/null && $(GO) run ./gen --matrix ci --out build/check --check
+endif
+
+test-python: env
+	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
+	  $(PYTHON) -m pytest -q -ra tests
+
+# The GPU suite alone (on the GPU machine): make test-gpu PYTHON=python3 SKIP_GEN=1 NVCC=nvcc
+test-gpu:
+	@$(MAKE) --no-print-directory lib MATRIX=ci OUT=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN) -j$(JOBS)
+	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
+	  $(PYTHON) -m pytest -q -ra tests -m gpu
+
+clean:
+	rm -rf out build dist arfuse/_lib

@@ -1,0 +1,38 @@
+"""arfuse: fused MoE finalize + shared-expert add + all-reduce + residual add + RMSNorm.
+
+    comm = arfuse.Communicator(group, max_tokens=8192, hidden=7168, dtype=torch.bfloat16)
+    norm_out, residual_out = arfuse.moe_finalize_allreduce_rmsnorm(
+        comm, expert_out, residual, gamma, 1e-6,
+        permuted_idx=idx, expert_weights=w, shared_out=shared)
+
+See README.md and docs/ for the operation's exact definition, the algorithms and their limits.
+"""
+
+from ._lib import is_built, library_path
+from .comm import Communicator
+from .models import models
+from .ops import (
+    instance_for,
+    moe_finalize,
+    moe_finalize_allreduce_rmsnorm,
+    oneshot_threshold,
+    supported,
+    supported_variants,
+)
+
+__all__ = [
+    "Communicator",
+    "instance_for",
+    "is_built",
+    "library_path",
+    "models",
+    "moe_finalize",
+    "moe_finalize_allreduce_rmsnorm",
+    "oneshot_threshold",
+    "supported",
+    "supported_variants",
+]
+
+__version__ = "0.1.0"
+
+is_built()  # load the ops now if the library is there; errors surface on first use

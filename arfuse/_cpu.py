@@ -1,0 +1,77 @@
+"""CPU implementation of the ops for a communicator of world size 1 (the all-reduce is the
+identity). It lets graphs that call arfuse run on the CPU (graph-rewrite tests, the vLLM pass
+tests) with the op's exact definition; it is not a fast path. Validation is the C++ op's own:
+the arguments are first run through the Meta implementation."""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+
+_lib = None
+
+
+def _meta(t):
+    return None if t is None else t.to("meta")
+
+
+def _check_comm(comm: int) -> None:
+    info = torch.ops.arfuse.comm_info(comm)
+    if info[1] != 1 or info[7] != -1:
+        raise ValueError("arfuse: comm: CPU tensors need a CPU communicator of world size 1 "
+                         "(arfuse.comm.cpu_communicator); this one is rank "
+                         f"{info[0]} of {info[1]} on {'cuda:%d' % info[7] if info[7] >= 0 else 'cpu'}")
+
+
+def _compute(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
+             weight_bias, routed_scaling, fp8_scale):
+    T = residual.shape[0]
+    partial = reference.finalize(expert_out, num_tokens=T, permuted_idx=permuted_idx,
+                                 expert_weights=expert_weights, shared_out=shared_out,
+                                 routed_scaling=routed_scaling).to(residual.dtype)
+    norm, residual_out = reference.allreduce_add_rmsnorm([partial], residual, gamma, eps,
+                                                         weight_bias, residual.dtype)
+    if fp8_scale is not None:
+        return reference.quantize_fp8_static(norm, fp8_scale), residual_out
+    return norm.to(residual.dtype), residual_out
+
+
+def fused_cpu(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
+              weight_bias, routed_scaling, fp8_scale, comm, algorithm):
+    _check_comm(comm)
+    torch.ops.arfuse.fused(_meta(expert_out), _meta(permuted_idx), _meta(expert_weights),
+                           _meta(shared_out), _meta(residual), _meta(gamma), eps, weight_bias,
+                           routed_scaling, _meta(fp8_scale), comm, algorithm)
+    return _compute(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
+                    weight_bias, routed_scaling, fp8_scale)
+
+
+def fused_inplace_cpu(input, residual, shared_out, gamma, eps, weight_bias, routed_scaling, comm,
+                      algorithm):
+    _check_comm(comm)
+    torch.ops.arfuse.fused_inplace(_meta(input), _meta(residual), _meta(shared_out), _meta(gamma),
+                                   eps, weight_bias, routed_scaling, comm, algorithm)
+    norm, residual_out = _compute(input, None, None, shared_out, residual, gamma, eps,
+                                  weight_bias, routed_scaling, None)
+    input.copy_(norm)
+    residual.copy_(residual_out)
+
+
+def moe_finalize_cpu(expert_out, permuted_idx, expert_weights, shared_out, routed_scaling,
+                     num_tokens):
+    torch.ops.arfuse.moe_finalize(_meta(expert_out), _meta(permuted_idx), _meta(expert_weights),
+                                  _meta(shared_out), routed_scaling, num_tokens)
+    return reference.finalize(expert_out, num_tokens=num_tokens, permuted_idx=permuted_idx,
+                              expert_weights=expert_weights, shared_out=shared_out,
+                              routed_scaling=routed_scaling).to(expert_out.dtype)
+
+
+def register() -> None:
+    global _lib
+    if _lib is not None:
+        return
+    _lib = torch.library.Library("arfuse", "IMPL")
+    _lib.impl("fused", fused_cpu, "CPU")
+    _lib.impl("fused_inplace", fused_inplace_cpu, "CPU")
+    _lib.impl("moe_finalize", moe_finalize_cpu, "CPU")

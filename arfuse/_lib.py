@@ -1,0 +1,63 @@
+"""Locating and loading the compiled torch extension (libarfuse_ops.so).
+
+The library registers the `torch.ops.arfuse.*` ops (schemas, CUDA and Meta implementations).
+It is found at $ARFUSE_LIBRARY if set (the test suite points it at the CI-matrix build), else in
+the package's `_lib/` folder (where `make` and the wheel put it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_lock = threading.Lock()
+_loaded: str | None = None
+_error: str | None = None
+
+
+def library_path() -> str:
+    return os.environ.get("ARFUSE_LIBRARY") or os.path.join(_PKG_DIR, "_lib", "libarfuse_ops.so")
+
+
+def manifest_path() -> str:
+    env = os.environ.get("ARFUSE_MANIFEST")
+    if env:
+        return env
+    return os.path.join(os.path.dirname(library_path()), "manifest.json")
+
+
+def load() -> bool:
+    """Loads the library once; returns whether it is loaded. Never raises."""
+    global _loaded, _error
+    with _lock:
+        if _loaded is not None:
+            return True
+        path = library_path()
+        if not os.path.exists(path):
+            _error = f"{path} does not exist: build it with `make` (or set ARFUSE_LIBRARY)"
+            return False
+        import torch
+
+        try:
+            torch.ops.load_library(path)
+        except OSError as e:  # a broken or foreign build: say so instead of failing on first use
+            _error = f"loading {path} failed: {e}"
+            return False
+        _loaded = path
+        _error = None
+    from . import _cpu
+
+    _cpu.register()
+    return True
+
+
+def is_built() -> bool:
+    """Whether the compiled library is present and loaded."""
+    return load()
+
+
+def require() -> None:
+    """Raises a clear error if the library cannot be used."""
+    if not load():
+        raise RuntimeError(f"arfuse: the compiled library is not available: {_error}")

@@ -1,0 +1,111 @@
+"""Communicator: one rank's cross-GPU buffers for the fused op.
+
+Each rank allocates a Lamport buffer (three slots, filled with the -0.0 sentinel), a control
+block and a host-mapped error word outside torch's caching allocator, exchanges CUDA IPC handles
+with its peers over a torch.distributed group (gloo or nccl) and opens theirs. Everything is
+freed by close() or on leaving a `with` block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _lib
+
+
+class Communicator:
+    """Buffers and peers of one rank of a tensor-parallel group.
+
+    Args:
+        group: a torch.distributed ProcessGroup (None: the default group). Every rank of it must
+            create its Communicator with the same arguments, at the same time.
+        max_tokens: the most tokens one call may carry (checked on the host before each launch).
+        hidden: hidden size H of the rows.
+        dtype: activation dtype (torch.bfloat16, torch.float16 or torch.float32).
+        oneshot_max_tokens: the most tokens a one-shot call may carry (default max_tokens); the
+            buffer holds max(N * oneshot_max_tokens, ~2 * max_tokens) rows per slot.
+        device: this rank's GPU (default: the current CUDA device).
+        timeout_s: a wait for a peer longer than this gives up (outputs NaN, the communicator
+            reports itself broken) instead of hanging.
+    """
+
+    def __init__(self, group=None, *, max_tokens: int, hidden: int, dtype: torch.dtype,
+                 oneshot_max_tokens: int | None = None, device=None, timeout_s: float = 10.0):
+        import torch.distributed as dist
+
+        _lib.require()
+        rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        handle = torch.ops.arfuse.comm_create(
+            rank, world, hidden, dtype, max_tokens,
+            -1 if oneshot_max_tokens is None else oneshot_max_tokens, 1, device, timeout_s)
+        try:
+            if world > 1:
+                mine = torch.ops.arfuse.comm_ipc_handle(handle).tolist()
+                gathered: list = [None] * world
+                dist.all_gather_object(gathered, mine, group=group)
+                torch.ops.arfuse.comm_open_peers(handle, torch.tensor(gathered, dtype=torch.uint8))
+                # Every rank has opened every peer before anyone launches into them.
+                dist.barrier(group=group)
+        except BaseException:
+            torch.ops.arfuse.comm_destroy(handle)
+            raise
+        self._init(handle)
+
+    @classmethod
+    def _from_handle(cls, handle: int) -> "Communicator":
+        self = cls.__new__(cls)
+        self._init(handle)
+        return self
+
+    def _init(self, handle: int) -> None:
+        info = torch.ops.arfuse.comm_info(handle)
+        self._handle = handle
+        self.rank, self.world_size, self.hidden = info[0], info[1], info[2]
+        self.dtype = (torch.bfloat16, torch.float16, torch.float32)[info[3]]
+        self.max_tokens, self.oneshot_max_tokens = info[4], info[5]
+        self.ranks_per_device = info[6]
+        self.device = torch.device("cuda", info[7]) if info[7] >= 0 else torch.device("cpu")
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise ValueError("arfuse: comm: this Communicator is closed")
+        return self._handle
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def status(self) -> int:
+        """0 when healthy; 1 + r after a call gave up waiting for rank r."""
+        return torch.ops.arfuse.comm_status(self.handle)
+
+    def close(self) -> None:
+        """Frees the buffers (waits for the device first). Closing twice is harmless."""
+        if getattr(self, "_handle", None) is not None:
+            torch.ops.arfuse.comm_destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"handle={self._handle}"
+        return (f"Communicator(rank={self.rank}, world_size={self.world_size}, hidden={self.hidden}, "
+                f"dtype={self.dtype}, max_tokens={self.max_tokens}, device={self.device}, {state})")
+
+
+def cpu_communicator(*, max_tokens: int, hidden: int, dtype: torch.dtype) -> Communicator:
+    """A world-size-1 communicator on the CPU: the all-reduce is the identity and the op runs the
+    PyTorch implementation in arfuse._cpu (used to test graph rewrites without a GPU)."""
+    _lib.require()
+    handle = torch.ops.arfuse.comm_create(0, 1, hidden, dtype, max_tokens, -1, 1,
+                                          torch.device("cpu"), 10.0)
+    return Communicator._from_handle(handle)

@@ -1,0 +1,392 @@
+// arfuse: the fused MoE-finalize + shared add + all-reduce + residual + RMSNorm kernel.
+//
+// Hand-written device code, the same for every variant. The generator instantiates it once per
+// kernel instance (out/kernels/<name>.cu) with the plan it decided in Go:
+//
+//   KernelConfig<T, OutKind, Algo, kHidden, kWorld, kThreadsPerToken, kVecsPerThread,
+//                kTokensPerBlock, kCluster>
+//
+// kHidden == 0 / kWorld == 0 / kThreadsPerToken == 0 make the generic instance: hidden size,
+// world size and block size come from the launch (one token per block, up to kVecsPerThread
+// vectors per thread).
+//
+// Data flow per rank r of N (see docs/design.md for the protocol and why it cannot deadlock):
+//   one-shot: finalize each token -> push the partial row into every rank's buffer at
+//             [t][r] -> poll own buffer [t][0..N) -> sum in rank order -> + residual -> RMSNorm.
+//   two-shot: finalize -> push the partial row of token t to its owner (t / ceil(T/N)) at
+//             [t_local][r] -> the owner sums its tokens in rank order, adds the residual and
+//             pushes residual_out rows to every rank's gather area -> every rank polls the
+//             gather area, writes residual_out and the RMSNorm of it.
+// Every wait is on Lamport sentinels in the data (no flags, no barriers between ranks); three
+// buffer slots rotate with a per-rank epoch so that no barrier is needed between calls either.
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include "arfuse/device.cuh"
+
+namespace arfuse {
+
+template <typename T_, OutKind kOut_, Algo kAlgo_, int kHidden_, int kWorld_, int kTpt_, int kVpt_,
+          int kTpb_, int kCluster_>
+struct KernelConfig {
+  using T = T_;
+  static constexpr OutKind kOut = kOut_;
+  static constexpr Algo kAlgo = kAlgo_;
+  static constexpr int kHidden = kHidden_;  // 0: run-time
+  static constexpr int kWorld = kWorld_;    // 0: run-time
+  static constexpr int kTpt = kTpt_;        // threads per token; 0: blockDim.x (generic)
+  static constexpr int kVpt = kVpt_;        // vectors per thread (max, when generic)
+  static constexpr int kTpb = kTpb_;        // tokens per block
+  static constexpr int kCluster = kCluster_;
+  static constexpr int kVec = Elem<T>::kVec;
+  static constexpr bool kGeneric = kHidden == 0;
+  static constexpr int kBlockThreads = kGeneric ? 512 : kTpt * kTpb;  // launch bound
+  static constexpr int kWarpsPerToken = kGeneric ? 16 : (kTpt + 31) / 32;
+  // Ranks polled per batch: all of them when N is fixed (loads issued together), 4 otherwise.
+  static constexpr int kRankBatch = kWorld == 0 ? 4 : (kWorld < 8 ? kWorld : 8);
+
+  static_assert(kOut == OutKind::kNorm || kOut == OutKind::kFP8Static, "unknown output kind");
+  static_assert(kAlgo == Algo::kOneShot || kAlgo == Algo::kTwoShot, "auto is resolved on the host");
+  static_assert(kGeneric || kHidden % kVec == 0, "hidden must be a multiple of the vector width");
+  static_assert(kGeneric || (kTpt % 32 == 0 && kTpt > 0), "threads per token: whole warps");
+  static_assert(kGeneric || (kHidden / kVec) % kCluster == 0, "cluster must divide the row");
+  static_assert(kGeneric || (kHidden / kVec / kCluster) <= kTpt * kVpt, "row does not fit");
+  static_assert(kVpt >= 1 && kVpt <= 8, "vectors per thread must be 1..8 (row in registers)");
+  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4 || kCluster == 8, "cluster size");
+  static_assert(kWorld == 0 || (kWorld >= 2 && kWorld <= kMaxWorld), "world size");
+  static_assert(kBlockThreads <= 1024, "block too large");
+};
+
+// Per-call geometry, derived once at kernel entry from the config and the launch.
+template <class Cfg>
+struct Geometry {
+  int H, N, nvec, slice, tpt, vpt, T;
+  int cta_in_cluster, cluster_id, num_clusters;
+  int g, lane;  // token within block, thread within token
+  __device__ __forceinline__ Geometry(const LaunchParams& p) {
+    H = Cfg::kGeneric ? p.hidden : Cfg::kHidden;
+    N = Cfg::kWorld == 0 ? p.world_size : Cfg::kWorld;
+    T = p.num_tokens;
+    nvec = H / Cfg::kVec;
+    slice = nvec / Cfg::kCluster;
+    tpt = Cfg::kGeneric ? static_cast<int>(blockDim.x) : Cfg::kTpt;
+    vpt = Cfg::kGeneric ? (slice + tpt - 1) / tpt : Cfg::kVpt;
+    cta_in_cluster = static_cast<int>(blockIdx.x) % Cfg::kCluster;
+    cluster_id = static_cast<int>(blockIdx.x) / Cfg::kCluster;
+    num_clusters = static_cast<int>(gridDim.x) / Cfg::kCluster;
+    g = static_cast<int>(threadIdx.x) / tpt;
+    lane = static_cast<int>(threadIdx.x) % tpt;
+  }
+  // The i-th vector of this thread within the row, or -1 if it has none there.
+  __device__ __forceinline__ int vec(int i) const {
+    const int local = lane + i * tpt;
+    return (i < vpt && local < slice) ? cta_in_cluster * slice + local : -1;
+  }
+};
+
+// Sum of squares of one token's row, reduced over the threads of the token (warp shuffles, then
+// the warps in a fixed order, then the CTAs of the cluster in a fixed order): deterministic, so
+// every rank gets bitwise the same value.
+template <class Cfg>
+__device__ __forceinline__ float row_sum_squares(float partial, const Geometry<Cfg>& geo,
+                                                 float (*warp_sums)[Cfg::kWarpsPerToken],
+                                                 float* cluster_sums) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) partial += __shfl_xor_sync(0xffffffffu, partial, off);
+  const int warp = geo.lane / 32;
+  if ((geo.lane & 31) == 0) warp_sums[geo.g][warp] = partial;
+  __syncthreads();
+  float total = 0.0f;
+  const int warps = (geo.tpt + 31) / 32;
+  for (int w = 0; w < warps; ++w) total += warp_sums[geo.g][w];
+  if constexpr (Cfg::kCluster > 1) {
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    if (geo.lane == 0) cluster_sums[geo.g] = total;
+    cluster.sync();
+    total = 0.0f;
+#pragma unroll
+    for (int c = 0; c < Cfg::kCluster; ++c) {
+      total += *cluster.map_shared_rank(cluster_sums + geo.g, c);
+    }
+    cluster.sync();  // no CTA may reuse or release cluster_sums while a peer still reads it
+  } else {
+    __syncthreads();  // warp_sums is reused by the next token
+  }
+  return total;
+}
+
+// Writes residual_out (already rounded, in rv) and the RMSNorm of it for one token.
+template <class Cfg>
+__device__ __forceinline__ void write_norm(const LaunchParams& p, const Geometry<Cfg>& geo,
+                                           int64_t t, const uint4 (&rv)[Cfg::kVpt],
+                                           float sum_squares, bool valid) {
+  using T = typename Cfg::T;
+  constexpr int kVec = Cfg::kVec;
+  if (!valid) return;
+  const float inv = rsqrtf(sum_squares / static_cast<float>(geo.H) + p.eps);
+  float inv_scale = 1.0f;
+  if constexpr (Cfg::kOut == OutKind::kFP8Static) inv_scale = 1.0f / __ldg(p.fp8_scale);
+#pragma unroll
+  for (int i = 0; i < Cfg::kVpt; ++i) {
+    const int v = geo.vec(i);
+    if (v < 0) continue;
+    const int64_t elem = t * geo.H + static_cast<int64_t>(v) * kVec;
+    float r[kVec], gm[kVec], y[kVec];
+    unpack<T>(rv[i], r);
+    load_param_vec<T>(p.gamma, p.gamma_f32 != 0, static_cast<int64_t>(v) * kVec, gm);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) y[j] = (r[j] * inv) * (gm[j] + p.weight_bias);
+    if constexpr (Cfg::kOut == OutKind::kNorm) {
+      st_vec(static_cast<T*>(p.norm_out) + elem, pack<T>(y));
+    } else {
+      // FP8-e4m3, saturating: round-to-nearest-even of y / scale clamped to +-448; NaN stays NaN.
+      uint8_t q[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        q[j] = __nv_fp8_e4m3(y[j] * inv_scale).__x;
+      }
+      uint8_t* dst = static_cast<uint8_t*>(p.norm_out) + elem;
+      if constexpr (kVec == 8) {
+        uint2 w;
+        w.x = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<uint32_t>(q[3]) << 24);
+        w.y = q[4] | (q[5] << 8) | (q[6] << 16) | (static_cast<uint32_t>(q[7]) << 24);
+        *reinterpret_cast<uint2*>(dst) = w;
+      } else {
+        *reinterpret_cast<uint32_t*>(dst) =
+            q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<uint32_t>(q[3]) << 24);
+      }
+    }
+  }
+}
+
+// Sums the N partial vectors at base + n * stride (n in rank order) once every one has arrived.
+template <class Cfg>
+__device__ __forceinline__ void sum_ranks(const LaunchParams& p, const Geometry<Cfg>& geo,
+                                          const typename Cfg::T* base, int64_t stride,
+                                          Waiter& waiter, float (&s)[Cfg::kVec]) {
+  using T = typename Cfg::T;
+  constexpr int kB = Cfg::kRankBatch;
+#pragma unroll
+  for (int j = 0; j < Cfg::kVec; ++j) s[j] = 0.0f;
+  for (int n0 = 0; n0 < geo.N; n0 += kB) {
+    uint4 x[kB];
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      if (n0 + b < geo.N) x[b] = ld_poll(base + (n0 + b) * stride);
+    }
+#pragma unroll
+    for (int b = 0; b < kB; ++b) {
+      if (n0 + b < geo.N) {
+        if (has_sentinel<T>(x[b])) x[b] = waiter.wait<T>(base + (n0 + b) * stride, p, n0 + b);
+        float f[Cfg::kVec];
+        unpack<T>(x[b], f);
+#pragma unroll
+        for (int j = 0; j < Cfg::kVec; ++j) s[j] += f[j];
+      }
+    }
+  }
+}
+
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kBlockThreads)
+    fused_kernel(const __grid_constant__ LaunchParams p) {
+  using T = typename Cfg::T;
+  constexpr int kVec = Cfg::kVec;
+  constexpr int kVpt = Cfg::kVpt;
+  constexpr bool kOneShot = Cfg::kAlgo == Algo::kOneShot;
+
+  __shared__ float warp_sums[Cfg::kTpb][Cfg::kWarpsPerToken];
+  __shared__ float cluster_sums[Cfg::kTpb];
+
+  const Geometry<Cfg> geo(p);
+  const int64_t H = geo.H;
+  const int N = geo.N;
+  const int T_ = geo.T;
+  const int rank = p.rank;
+
+  // ---- epoch, slots, clearing of the previous call's slot ----
+  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch);
+  const int slot = static_cast<int>(epoch % kNumSlots);
+  const int clear_slot = static_cast<int>((epoch + 2) % kNumSlots);
+  const int64_t slot_off = static_cast<int64_t>(slot) * p.slot_elems;
+  T* const own = static_cast<T*>(p.buffers[rank]);
+  {
+    const uint64_t used = *reinterpret_cast<volatile uint64_t*>(&p.ctrl->used[clear_slot]);
+    uint4* clear = reinterpret_cast<uint4*>(own + static_cast<int64_t>(clear_slot) * p.slot_elems);
+    const uint4 s = sentinel_vec(sentinel_word<T>());
+    const int64_t nvecs = static_cast<int64_t>(used) / kVec;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < nvecs;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      st_vec(clear + i, s);
+    }
+  }
+
+  const int per = (T_ + N - 1) / N;                        // two-shot: tokens per owner
+  const int64_t gather_off = static_cast<int64_t>(per) * N * H;  // two-shot: gather area
+  Waiter waiter;
+
+  // ---- phase 1: finalize every token and push the partial row ----
+  for (int chunk = geo.cluster_id; chunk * Cfg::kTpb < T_; chunk += geo.num_clusters) {
+    const int t = chunk * Cfg::kTpb + geo.g;
+    if (t >= T_ || geo.g >= Cfg::kTpb) continue;
+#pragma unroll
+    for (int i = 0; i < kVpt; ++i) {
+      const int v = geo.vec(i);
+      if (v < 0) continue;
+      const int64_t elem = static_cast<int64_t>(v) * kVec;
+      float acc[kVec];
+      finalize_vec<T>(p, t, elem, acc);
+      const uint4 out = canonical<T>(pack<T>(acc));
+      if constexpr (kOneShot) {
+        const int64_t off = slot_off + (static_cast<int64_t>(t) * N + rank) * H + elem;
+        if constexpr (Cfg::kWorld != 0) {
+#pragma unroll
+          for (int q = 0; q < Cfg::kWorld; ++q) st_vec(static_cast<T*>(p.buffers[q]) + off, out);
+        } else {
+          for (int q = 0; q < N; ++q) st_vec(static_cast<T*>(p.buffers[q]) + off, out);
+        }
+      } else {
+        const int owner = t / per;
+        const int local = t - owner * per;
+        const int64_t off = slot_off + (static_cast<int64_t>(local) * N + rank) * H + elem;
+        st_vec(static_cast<T*>(p.buffers[owner]) + off, out);
+      }
+    }
+  }
+
+  if constexpr (!kOneShot) {
+    // ---- two-shot phase 2: the owner reduces its tokens and all-gathers residual_out ----
+    const int first = rank * per;
+    const int count = max(0, min(per, T_ - first));
+    for (int chunk = geo.cluster_id; chunk * Cfg::kTpb < count; chunk += geo.num_clusters) {
+      const int local = chunk * Cfg::kTpb + geo.g;
+      if (local >= count || geo.g >= Cfg::kTpb) continue;
+      const int64_t t = first + local;
+#pragma unroll
+      for (int i = 0; i < kVpt; ++i) {
+        const int v = geo.vec(i);
+        if (v < 0) continue;
+        const int64_t elem = static_cast<int64_t>(v) * kVec;
+        const uint4 res = ld_stream(static_cast<const T*>(p.residual) + t * H + elem);
+        float s[kVec], r[kVec];
+        sum_ranks<Cfg>(p, geo, own + slot_off + static_cast<int64_t>(local) * N * H + elem, H,
+                       waiter, s);
+        unpack<T>(res, r);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s[j] += r[j];
+        uint4 out = canonical<T>(pack<T>(s));
+        if (waiter.gave_up) out = nan_vec<T>();
+        const int64_t off = slot_off + gather_off + t * H + elem;
+        if constexpr (Cfg::kWorld != 0) {
+#pragma unroll
+          for (int q = 0; q < Cfg::kWorld; ++q) st_vec(static_cast<T*>(p.buffers[q]) + off, out);
+        } else {
+          for (int q = 0; q < N; ++q) st_vec(static_cast<T*>(p.buffers[q]) + off, out);
+        }
+      }
+    }
+  }
+
+  // ---- last phase: residual_out and RMSNorm for every token ----
+  for (int chunk = geo.cluster_id; chunk * Cfg::kTpb < T_; chunk += geo.num_clusters) {
+    const int t = chunk * Cfg::kTpb + geo.g;
+    const bool valid = t < T_ && geo.g < Cfg::kTpb;
+    uint4 rv[kVpt];
+    float sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVpt; ++i) {
+      rv[i] = make_uint4(0, 0, 0, 0);
+      const int v = geo.vec(i);
+      if (!valid || v < 0) continue;
+      const int64_t elem = static_cast<int64_t>(v) * kVec;
+      if constexpr (kOneShot) {
+        const uint4 res = ld_stream(static_cast<const T*>(p.residual) + t * H + elem);
+        float s[kVec], r[kVec];
+        sum_ranks<Cfg>(p, geo, own + slot_off + static_cast<int64_t>(t) * N * H + elem, H, waiter,
+                       s);
+        unpack<T>(res, r);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s[j] += r[j];
+        rv[i] = canonical<T>(pack<T>(s));
+      } else {
+        rv[i] = waiter.wait<T>(own + slot_off + gather_off + static_cast<int64_t>(t) * H + elem, p,
+                               t / per);
+      }
+      if (waiter.gave_up) rv[i] = nan_vec<T>();
+      st_vec(static_cast<T*>(p.residual_out) + static_cast<int64_t>(t) * H + elem, rv[i]);
+      float f[kVec];
+      unpack<T>(rv[i], f);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) sq = fmaf(f[j], f[j], sq);
+    }
+    const float total = row_sum_squares<Cfg>(sq, geo, warp_sums, cluster_sums);
+    write_norm<Cfg>(p, geo, t, rv, total, valid);
+  }
+
+  // ---- completion: the last block to finish publishes the slot's size and advances the epoch ----
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned prev = atomicAdd(&p.ctrl->arrived, 1u);
+    if (prev == gridDim.x - 1) {
+      const uint64_t used = kOneShot ? static_cast<uint64_t>(T_) * N * H
+                                     : static_cast<uint64_t>(gather_off) + static_cast<uint64_t>(T_) * H;
+      p.ctrl->arrived = 0;
+      *reinterpret_cast<volatile uint64_t*>(&p.ctrl->used[slot]) = used;
+      __threadfence();
+      *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch) = epoch + 1;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host launcher: block and cluster shape from the config (generic: from the hidden size), grid
+// capped so that every rank sharing this GPU is co-resident (Lamport waits need all peers'
+// blocks running), launched with cudaLaunchKernelEx so the cluster shape is an attribute.
+// ---------------------------------------------------------------------------------------------
+namespace detail {
+cudaError_t co_resident_blocks(const void* kernel, int block_threads, int cluster, int* per_device);
+}  // namespace detail
+
+template <class Cfg>
+cudaError_t launch_fused(const LaunchParams& p, cudaStream_t stream) {
+  int block = Cfg::kBlockThreads;
+  if constexpr (Cfg::kGeneric) {
+    const int nvec = p.hidden / Cfg::kVec;
+    block = ((nvec + 31) / 32) * 32;
+    if (block > Cfg::kBlockThreads) block = Cfg::kBlockThreads;
+    if ((nvec + block - 1) / block > Cfg::kVpt) return cudaErrorInvalidValue;
+  }
+  const void* kernel = reinterpret_cast<const void*>(&fused_kernel<Cfg>);
+  int per_device = 0;
+  cudaError_t err = detail::co_resident_blocks(kernel, block, Cfg::kCluster, &per_device);
+  if (err != cudaSuccess) return err;
+  int cap = per_device / (p.ranks_per_device > 0 ? p.ranks_per_device : 1);
+  if (p.max_blocks > 0 && p.max_blocks < cap) cap = p.max_blocks;
+  cap = (cap / Cfg::kCluster) * Cfg::kCluster;
+  if (cap < Cfg::kCluster) return cudaErrorLaunchOutOfResources;
+  const int chunks = (p.num_tokens + Cfg::kTpb - 1) / Cfg::kTpb;
+  int grid = chunks * Cfg::kCluster;
+  if (grid > cap) grid = cap;
+
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  config.numAttrs = 0;
+  if constexpr (Cfg::kCluster > 1) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = Cfg::kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, fused_kernel<Cfg>, p);
+}
+
+}  // namespace arfuse

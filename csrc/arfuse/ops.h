@@ -1,0 +1,63 @@
+// arfuse: the torch op implementations that the generated registration (out/ops_registration.cpp)
+// binds to the schemas. Hand-written in csrc/ops.cpp (CUDA and catch-all) and csrc/meta.cpp (Meta).
+#pragma once
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace arfuse::ops {
+
+// ---- communicator (opaque int64 handles; buffers live outside torch's caching allocator) ----
+int64_t comm_create(int64_t rank, int64_t world_size, int64_t hidden, at::ScalarType dtype,
+                    int64_t max_tokens, int64_t oneshot_max_tokens, int64_t ranks_per_device,
+                    at::Device device, double timeout_s);
+at::Tensor comm_ipc_handle(int64_t comm);
+void comm_open_peers(int64_t comm, const at::Tensor& handles);
+void comm_set_local_peers(int64_t comm, at::IntArrayRef comms);
+void comm_destroy(int64_t comm);
+int64_t comm_status(int64_t comm);
+std::vector<int64_t> comm_info(int64_t comm);
+
+// ---- the fused op ----
+std::tuple<at::Tensor, at::Tensor> fused(
+    const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,
+    const std::optional<at::Tensor>& expert_weights, const std::optional<at::Tensor>& shared_out,
+    const at::Tensor& residual, const at::Tensor& gamma, double eps, double weight_bias,
+    double routed_scaling, const std::optional<at::Tensor>& fp8_scale, int64_t comm,
+    int64_t algorithm);
+std::tuple<at::Tensor, at::Tensor> fused_meta(
+    const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,
+    const std::optional<at::Tensor>& expert_weights, const std::optional<at::Tensor>& shared_out,
+    const at::Tensor& residual, const at::Tensor& gamma, double eps, double weight_bias,
+    double routed_scaling, const std::optional<at::Tensor>& fp8_scale, int64_t comm,
+    int64_t algorithm);
+void fused_inplace(at::Tensor& input, at::Tensor& residual,
+                   const std::optional<at::Tensor>& shared_out, const at::Tensor& gamma, double eps,
+                   double weight_bias, double routed_scaling, int64_t comm, int64_t algorithm);
+void fused_inplace_meta(at::Tensor& input, at::Tensor& residual,
+                        const std::optional<at::Tensor>& shared_out, const at::Tensor& gamma,
+                        double eps, double weight_bias, double routed_scaling, int64_t comm,
+                        int64_t algorithm);
+
+// ---- the standalone finalize kernel (the unfused pipeline's first step) ----
+at::Tensor moe_finalize(const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,
+                        const std::optional<at::Tensor>& expert_weights,
+                        const std::optional<at::Tensor>& shared_out, double routed_scaling,
+                        int64_t num_tokens);
+at::Tensor moe_finalize_meta(const at::Tensor& expert_out,
+                             const std::optional<at::Tensor>& permuted_idx,
+                             const std::optional<at::Tensor>& expert_weights,
+                             const std::optional<at::Tensor>& shared_out, double routed_scaling,
+                             int64_t num_tokens);
+
+// ---- introspection ----
+std::vector<std::string> supported_variants();
+std::string instance_for(at::ScalarType dtype, int64_t hidden, int64_t world_size,
+                         int64_t algorithm, int64_t out_kind);
+int64_t oneshot_threshold(at::ScalarType dtype, int64_t hidden, int64_t world_size);
+
+}  // namespace arfuse::ops

@@ -1,0 +1,76 @@
+// arfuse: the launch parameters shared by the host op code (g++) and the device code (nvcc).
+//
+// Plain C++ only: no CUDA or torch types, so that the torch op file and every generated kernel
+// instance agree on one layout. Hand-written; the generator never copies anything from here.
+#pragma once
+
+#include <cstdint>
+
+namespace arfuse {
+
+// Bumped whenever LaunchParams, the kernel template's parameters or the launcher signature change.
+// Every generated file static_asserts on it, so stale generated output stops compiling.
+#define ARFUSE_DEVICE_API_VERSION 3
+
+constexpr int kMaxWorld = 16;   // largest tensor-parallel group a communicator serves
+constexpr int kMaxTopK = 64;    // largest K (experts per token) accepted by the op
+constexpr int kNumSlots = 3;    // Lamport buffers: call c uses slot c % 3 and clears slot (c + 2) % 3
+
+// Scalar types as the dispatch table names them (same order as the generator's dtype table).
+enum class DType : int32_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
+// Algorithms. kAuto is resolved on the host from the tuned one-shot/two-shot threshold.
+enum class Algo : int32_t { kAuto = 0, kOneShot = 1, kTwoShot = 2 };
+// Output kinds: kNorm writes norm_out in the activation dtype; kFP8Static writes FP8-e4m3
+// saturate(norm * (1 / scale)) with a float32 per-tensor scale.
+enum class OutKind : int32_t { kNorm = 0, kFP8Static = 1 };
+// How the routed experts' outputs arrive.
+enum class Layout : int32_t {
+  kPlain = 0,     // [T, H], already reduced over experts (K = 1, no weights)
+  kDense = 1,     // [T, K, H], token-major
+  kPermuted = 2,  // [P, H] rows addressed by permuted_idx[T, K] (int32, -1 = not on this rank)
+};
+
+// Per-rank control block in device memory (one per communicator).
+struct Ctrl {
+  uint32_t epoch;            // number of completed calls; slot = epoch % 3
+  uint32_t arrived;          // blocks of the current call that have finished
+  uint64_t used[kNumSlots];  // elements of each slot written by the call that last used it
+};
+
+struct LaunchParams {
+  // ---- inputs (device pointers) ----
+  const void* expert_out;       // see Layout
+  const int32_t* permuted_idx;  // [T, K] or nullptr
+  const void* expert_weights;   // [T, K] or nullptr (weight 1)
+  const void* shared_out;       // [T, H] or nullptr
+  const void* residual;         // [T, H]
+  const void* gamma;            // [H]
+  const float* fp8_scale;       // [1] for OutKind::kFP8Static, else nullptr
+  int64_t num_rows;             // P, rows of expert_out in the permuted layout (bounds check)
+  int32_t layout;               // Layout
+  int32_t weights_f32;          // 1: expert_weights is float32; 0: activation dtype
+  int32_t gamma_f32;            // 1: gamma is float32; 0: activation dtype
+  int32_t num_tokens;           // T
+  int32_t top_k;                // K (1 for the plain layout)
+  int32_t hidden;               // H
+  int32_t world_size;           // N
+  int32_t rank;                 // r
+  float eps;
+  float weight_bias;            // 0: x * gamma; 1: x * (1 + gamma)
+  float routed_scaling;
+
+  // ---- outputs (device pointers, [T, H]) ----
+  void* norm_out;
+  void* residual_out;
+
+  // ---- workspace ----
+  void* buffers[kMaxWorld];  // every rank's Lamport data buffer (kNumSlots * slot_elems elements)
+  Ctrl* ctrl;                // this rank's control block
+  uint32_t* error_flag;      // host-mapped word: set to 1 + peer rank when a wait times out
+  int64_t slot_elems;        // elements (activation dtype) per slot
+  int32_t max_blocks;        // grid cap so that every rank sharing this GPU is co-resident
+  int32_t ranks_per_device;  // 1 for one GPU per rank; N for an emulated group
+  int64_t timeout_ns;        // a wait longer than this gives up, poisons outputs, sets error_flag
+};
+
+}  // namespace arfuse

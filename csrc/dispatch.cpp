@@ -1,0 +1,107 @@
+// arfuse: lookup over the generated dispatch table (out/dispatch.cu holds the data).
+#include <algorithm>
+#include <string>
+
+#include "arfuse/dispatch.h"
+
+namespace arfuse {
+
+int vector_elems(DType dtype) { return dtype == DType::kFP32 ? 4 : 8; }
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16:
+      return "bf16";
+    case DType::kFP16:
+      return "fp16";
+    case DType::kFP32:
+      return "fp32";
+  }
+  return "?";
+}
+
+const char* algo_name(Algo algo) {
+  switch (algo) {
+    case Algo::kAuto:
+      return "auto";
+    case Algo::kOneShot:
+      return "oneshot";
+    case Algo::kTwoShot:
+      return "twoshot";
+  }
+  return "?";
+}
+
+const char* out_name(OutKind out) {
+  switch (out) {
+    case OutKind::kNorm:
+      return "norm";
+    case OutKind::kFP8Static:
+      return "fp8_static";
+  }
+  return "?";
+}
+
+const Instance* find_instance(DType dtype, int hidden, int world_size, Algo algo, OutKind out,
+                              std::string* why) {
+  int count = 0;
+  const Instance* table = instance_table(&count);
+  const Instance* generic = nullptr;
+  for (int i = 0; i < count; ++i) {
+    const Instance& e = table[i];
+    if (e.dtype != dtype || e.algo != algo || e.out != out) continue;
+    if (e.hidden == hidden && e.world_size == world_size) return &e;
+    if (e.hidden == 0 && e.world_size == 0) generic = &e;
+  }
+  const std::string combo = std::string("(dtype ") + dtype_name(dtype) + ", hidden " +
+                            std::to_string(hidden) + ", world size " + std::to_string(world_size) +
+                            ", algorithm " + algo_name(algo) + ", output " + out_name(out) + ")";
+  if (generic == nullptr) {
+    if (why) *why = "no kernel instance serves " + combo +
+                    ": it has no specialised instance and the build has no generic instance for "
+                    "this dtype, algorithm and output kind (add it to the variant matrix)";
+    return nullptr;
+  }
+  const int vec = vector_elems(dtype);
+  if (hidden <= 0 || hidden % vec != 0) {
+    if (why) *why = "no kernel instance serves " + combo + ": hidden must be a positive multiple of " +
+                    std::to_string(vec) + " (one 16-byte vector of " + dtype_name(dtype) + ")";
+    return nullptr;
+  }
+  if (hidden > generic->max_hidden) {
+    if (why) *why = "no kernel instance serves " + combo + ": the generic instance serves hidden <= " +
+                    std::to_string(generic->max_hidden) +
+                    " (add a specialised instance to the variant matrix)";
+    return nullptr;
+  }
+  if (world_size < 1 || world_size > kMaxWorld) {
+    if (why) *why = "no kernel instance serves " + combo + ": world size must be 1.." +
+                    std::to_string(kMaxWorld);
+    return nullptr;
+  }
+  return generic;
+}
+
+// Default crossover for combinations the tuning table has not measured: one-shot while the bytes
+// each rank receives in one call (N * T * H * elem) stay within 2 MiB, at least 1 token. One-shot
+// moves N times the row bytes but needs a single wait; two-shot moves about 2x the row bytes with
+// two dependent waits. Documented in docs/performance.md; the benchmark's --tune replaces it.
+int default_oneshot_max_tokens(DType dtype, int hidden, int world_size) {
+  const int64_t elem = dtype == DType::kFP32 ? 4 : 2;
+  const int64_t per_token = static_cast<int64_t>(std::max(world_size, 1)) * hidden * elem;
+  const int64_t budget = int64_t{2} << 20;
+  return static_cast<int>(std::max<int64_t>(1, budget / std::max<int64_t>(per_token, 1)));
+}
+
+int oneshot_max_tokens(DType dtype, int hidden, int world_size) {
+  int count = 0;
+  const Threshold* table = threshold_table(&count);
+  for (int i = 0; i < count; ++i) {
+    if (table[i].dtype == dtype && table[i].hidden == hidden && table[i].world_size == world_size) {
+      return table[i].oneshot_max_tokens;
+    }
+  }
+  return default_oneshot_max_tokens(dtype, hidden, world_size);
+}
+
+}  // namespace arfuse

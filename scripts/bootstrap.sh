@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates the project's Python environment in .venv (idempotent): the pinned requirements.txt.
+# Usage: scripts/bootstrap.sh [VENV_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${1:-.venv}
+stamp="$venv/.requirements.sha"
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+"$venv/bin/python" -m pip install -q -r requirements.txt
+echo "$want" >"$stamp"
+echo "bootstrap: $venv ready ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
