@@ -81,7 +81,7 @@ func TestPlanInvariants(t *testing.T) {
 }
 
 func TestPlanGeneric(t *testing.T) {
-	for dt, maxH := range map[string]int{"bf16": 65536, "fp16": 65536, "fp32": 32768} {
+	for dt, maxH := range map[string]int{"bf16": 32768, "fp16": 32768, "fp32": 16384} {
 		p := planGeneric(dtypeByName(dt))
 		want := Plan{Vec: 16 / dtypeByName(dt).Size, Cluster: 1, VecsPerThread: 8, TokensPerBlock: 1, MaxHidden: maxH, RowInRegisters: true}
 		if p != want {

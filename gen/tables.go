@@ -14,10 +14,10 @@ const vectorBytes = 16
 // maxHidden is the largest hidden size the matrix accepts for a specialised instance.
 const maxHidden = 65536
 
-// Generic-instance limits (the device code relies on them): up to 1024 threads per token, each
+// Generic-instance limits (the device code relies on them): up to 512 threads per token, each
 // holding at most maxVecsPerThread 16-byte vectors of the row in registers.
 const (
-	genericMaxThreads = 1024
+	genericMaxThreads = 512
 	maxVecsPerThread  = 8
 )
 

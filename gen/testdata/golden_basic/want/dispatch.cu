@@ -9,7 +9,7 @@ namespace {
 // Sorted by name. Fields: name, dtype, hidden, world_size, algo, out, block_threads,
 // tokens_per_block, cluster, max_hidden, launch (hidden 0 / world_size 0: generic).
 const arfuse::Instance kInstances[] = {
-    arfuse::Instance{"arfuse_bf16_generic_oneshot_norm", arfuse::DType::kBF16, 0, 0, arfuse::Algo::kOneShot, arfuse::OutKind::kNorm, 0, 1, 1, 65536, &arfuse::gen::arfuse_bf16_generic_oneshot_norm},
+    arfuse::Instance{"arfuse_bf16_generic_oneshot_norm", arfuse::DType::kBF16, 0, 0, arfuse::Algo::kOneShot, arfuse::OutKind::kNorm, 0, 1, 1, 32768, &arfuse::gen::arfuse_bf16_generic_oneshot_norm},
     arfuse::Instance{"arfuse_bf16_h7168_w8_oneshot_norm", arfuse::DType::kBF16, 7168, 8, arfuse::Algo::kOneShot, arfuse::OutKind::kNorm, 224, 1, 4, 7168, &arfuse::gen::arfuse_bf16_h7168_w8_oneshot_norm},
     arfuse::Instance{"arfuse_bf16_h7168_w8_twoshot_norm", arfuse::DType::kBF16, 7168, 8, arfuse::Algo::kTwoShot, arfuse::OutKind::kNorm, 224, 1, 4, 7168, &arfuse::gen::arfuse_bf16_h7168_w8_twoshot_norm},
 };
