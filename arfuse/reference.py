@@ -20,10 +20,12 @@ def finalize(expert_out, *, num_tokens, permuted_idx=None, expert_weights=None, 
     if permuted_idx is not None:
         idx = permuted_idx.long()
         K = idx.shape[1]
-        present = idx >= 0
-        rows = expert_out.to(acc)[idx.clamp(min=0)]  # [T, K, H]
-        rows = rows * present.unsqueeze(-1).to(acc)
-        bad = ((idx < -1) | (idx >= expert_out.shape[0])).any(dim=1)
+        P = expert_out.shape[0]
+        bad = ((idx < -1) | (idx >= P)).any(dim=1)  # the kernel makes such tokens NaN
+        present = (idx >= 0) & (idx < P)
+        rows = expert_out.to(acc)[idx.clamp(0, max(P - 1, 0))]  # [T, K, H]
+        # Absent rows contribute exactly nothing (a NaN or Inf in them must not leak in).
+        rows = torch.where(present.unsqueeze(-1), rows, torch.zeros((), dtype=acc, device=rows.device))
     elif expert_out.dim() == 3:
         rows = expert_out.to(acc)
         K = rows.shape[1]

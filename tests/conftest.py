@@ -1,0 +1,46 @@
+"""Shared test setup: the compiled library under test and the GPU marker.
+
+make test points ARFUSE_LIBRARY at the CI-matrix build (build/ci/lib) and ARFUSE_MANIFEST at its
+manifest. Tests marked `gpu` are skipped, with the reason, where there is no CUDA device.
+"""
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _has_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the GPU machine: make test-gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def lib():
+    import arfuse
+
+    if not arfuse.is_built():
+        pytest.fail(f"the compiled library is missing at {arfuse.library_path()}: run make")
+    return arfuse
+
+
+@pytest.fixture(scope="session")
+def manifest():
+    from arfuse import _lib
+
+    with open(_lib.manifest_path()) as f:
+        return json.load(f)
