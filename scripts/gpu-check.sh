@@ -15,4 +15,4 @@ rc=$?; tail -n 3 "$out/build.log"
 [ $rc -eq 0 ] || { echo "build failed"; tail -n 60 "$out/build.log"; exit $rc; }
 ARFUSE_LIBRARY=$PWD/build/ci/lib/libarfuse_ops.so ARFUSE_MANIFEST=$PWD/build/ci/out/manifest.json \
 ARFUSE_VALIDATION_REPORT=$out/validation.json \
-  timeout 480 python3 -m pytest -q -ra -x -m gpu tests "$@" 2>&1 | tee "$out/pytest.log" | tail -n 40
+  timeout 480 python3 -m pytest -q -ra -m gpu tests "$@" 2>&1 | tee "$out/pytest.log" | tail -n 40
