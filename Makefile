@@ -49,6 +49,7 @@ toolchain: env
 	  if command -v nvcc >/dev/null 2>&1 && nvcc --version | grep -q "release $$want\."; then nvcc_path=$$(command -v nvcc); \
 	  else nvcc_path=$$(scripts/install-cuda.sh $(PYTHON) .cuda | tail -n 1); fi; \
 	fi; \
+	nvcc_path=$$(command -v "$$nvcc_path" || echo "$$nvcc_path"); nvcc_path=$$(readlink -f "$$nvcc_path"); \
 	mkdir -p build; echo "$$nvcc_path" > build/nvcc.path; echo "nvcc: $$nvcc_path"
 
 generate:
@@ -75,7 +76,7 @@ TORCH_DIR  := $(shell $(PYTHON) -c 'import os, torch; print(os.path.dirname(torc
 TORCH_ABI  := $(shell $(PYTHON) -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
 CUDART_DIR := $(shell $(PYTHON) -c 'import glob, os, torch; c = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu*", "lib", "libcudart.so*")); print(os.path.dirname(os.path.abspath(c[0])) if c else "")')
 NVCC_FLAGS := -std=c++17 -O3 $(ARCH_FLAGS) -Xcompiler -fPIC -Icsrc -I$(OUT) -DNDEBUG -lineinfo
-CXX_FLAGS  := -std=c++17 -O2 -fPIC -Icsrc -I$(OUT) -I$(CUDA_HOME)/include \
+CXX_FLAGS  := -std=c++17 -O2 -fPIC -Icsrc -I$(OUT) -I$(CUDA_HOME)/include -I$(CUDA_HOME)/targets/x86_64-linux/include \
               -isystem $(TORCH_DIR)/include -isystem $(TORCH_DIR)/include/torch/csrc/api/include \
               -D_GLIBCXX_USE_CXX11_ABI=$(TORCH_ABI) -DNDEBUG -Wall -Wno-unused-function
 LD_FLAGS   := -shared -L$(TORCH_DIR)/lib -lc10 -lc10_cuda -ltorch_cpu \
