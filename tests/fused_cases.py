@@ -137,8 +137,9 @@ def _plant_specials(case: Case, ranks, residual, gen):
 
 def poison_like(shape, dtype, device):
     """A tensor of NaN bit patterns (0xFF bytes: NaN in every float format, 0xFF = NaN in e4m3fn)."""
-    t = torch.empty(shape, dtype=torch.uint8, device=device).fill_(0xFF)
-    return t.view(dtype) if dtype.itemsize == 1 else t.view(torch.uint8).view(dtype)
+    *lead, last = shape
+    t = torch.empty((*lead, last * dtype.itemsize), dtype=torch.uint8, device=device).fill_(0xFF)
+    return t.view(dtype)
 
 
 def run_case(group, case: Case, seed: int, fp8_scale=None):
