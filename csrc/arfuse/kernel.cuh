@@ -363,7 +363,14 @@ cudaError_t launch_fused(const LaunchParams& p, cudaStream_t stream) {
   int per_device = 0;
   cudaError_t err = detail::co_resident_blocks(kernel, block, Cfg::kCluster, &per_device);
   if (err != cudaSuccess) return err;
-  int cap = per_device / (p.ranks_per_device > 0 ? p.ranks_per_device : 1);
+  int cap = per_device;
+  if (p.ranks_per_device > 1) {
+    // Emulated group: N grids share one GPU. Each gets 1/N of it; cluster grids get half of that,
+    // since N kernels' clusters fragment the GPCs and a cluster needs its CTAs in one GPC (seen on
+    // the H200: 8 ranks of 4-CTA clusters sized to exactly 1/8 did not all become resident).
+    cap = per_device / p.ranks_per_device;
+    if (Cfg::kCluster > 1) cap /= 2;
+  }
   if (p.max_blocks > 0 && p.max_blocks < cap) cap = p.max_blocks;
   cap = (cap / Cfg::kCluster) * Cfg::kCluster;
   if (cap < Cfg::kCluster) return cudaErrorLaunchOutOfResources;
