@@ -1,0 +1,229 @@
+"""CPU tests of the compiled library: schemas, dispatch table, Meta (fake) implementations,
+validation errors, and the op's definition through the world-size-1 CPU implementation.
+They need the library (make test builds the CI matrix) but no GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import arfuse
+from arfuse import reference
+from arfuse.comm import cpu_communicator
+
+H = 64
+
+
+@pytest.fixture
+def comm(lib):
+    c = cpu_communicator(max_tokens=32, hidden=H, dtype=torch.bfloat16)
+    yield c
+    c.close()
+
+
+def rand(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape).to(dtype)
+
+
+def test_library_matches_manifest(lib, manifest):
+    names = sorted(arfuse.supported_variants())
+    assert names == sorted(i["name"] for i in manifest["instances"])
+    assert manifest["api_version"] == 3
+
+
+def test_schemas_are_registered(lib):
+    for op in ("fused", "fused_inplace", "moe_finalize", "comm_create", "comm_destroy",
+               "supported_variants", "instance_for", "oneshot_threshold"):
+        assert hasattr(torch.ops.arfuse, op), op
+    s = str(torch.ops.arfuse.fused_inplace.default._schema)
+    assert "Tensor(a!) input" in s and "Tensor(b!) residual" in s
+
+
+def test_dispatch_prefers_specialised_then_generic(lib, manifest):
+    spec = [i for i in manifest["instances"] if not i["generic"]][0]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec["dtype"]]
+    assert arfuse.instance_for(dtype, spec["hidden"], spec["world_size"], spec["algorithm"]) == spec["name"]
+    # 2880 has no specialised instance in the CI matrix: the generic one serves it.
+    assert arfuse.instance_for("bf16", 2880, 4, "oneshot") == "arfuse_bf16_generic_oneshot_norm"
+    assert arfuse.instance_for("bf16", 2884, 4, "oneshot") is None  # not a multiple of 8
+    assert arfuse.instance_for("bf16", 40960, 4, "oneshot") is None  # beyond the generic's 32768
+    assert arfuse.instance_for("bf16", 2880, 4, "oneshot", "fp8_static") == "arfuse_bf16_generic_oneshot_fp8_static"
+    assert arfuse.supported("fp32", 1536, 2)
+
+
+def test_oneshot_threshold_default_rule(lib):
+    # Unmeasured: one-shot while N * T * H * elem <= 2 MiB (csrc/dispatch.cpp, docs/performance.md).
+    assert arfuse.oneshot_threshold("bf16", 7168, 8) == (2 << 20) // (8 * 7168 * 2)
+    assert arfuse.oneshot_threshold("fp32", 2048, 2) == (2 << 20) // (2 * 2048 * 4)
+
+
+def test_meta_shapes(lib, comm):
+    T = 5
+    x = torch.empty(T, 3, H, dtype=torch.bfloat16, device="meta")
+    r = torch.empty(T, H, dtype=torch.bfloat16, device="meta")
+    g = torch.empty(H, dtype=torch.float32, device="meta")
+    n, ro = torch.ops.arfuse.fused(x, None, None, None, r, g, 1e-6, 0.0, 1.0, None, comm.handle, 0)
+    assert n.shape == (T, H) and n.dtype == torch.bfloat16 and n.device.type == "meta"
+    s = torch.empty(1, dtype=torch.float32, device="meta")
+    n8, _ = torch.ops.arfuse.fused(x, None, None, None, r, g, 1e-6, 0.0, 1.0, s, comm.handle, 0)
+    assert n8.dtype == torch.float8_e4m3fn
+    f = torch.ops.arfuse.moe_finalize(x, None, None, None, 1.0, T)
+    assert f.shape == (T, H)
+
+
+def test_fake_tensor_tracing(lib, comm):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(7, H, dtype=torch.bfloat16)
+        r = torch.empty(7, H, dtype=torch.bfloat16)
+        g = torch.empty(H, dtype=torch.bfloat16)
+        n, ro = arfuse.moe_finalize_allreduce_rmsnorm(comm, x, r, g, 1e-5)
+        assert n.shape == (7, H)
+
+
+@pytest.mark.parametrize("layout", ["plain", "dense", "permuted"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpu_world1_matches_float64_reference(lib, layout, dtype):
+    T, K = 9, 4
+    with cpu_communicator(max_tokens=16, hidden=H, dtype=dtype) as c:
+        kw = {}
+        if layout == "plain":
+            x = rand(T, H, dtype=dtype)
+        elif layout == "dense":
+            x = rand(T, K, H, dtype=dtype)
+            kw["expert_weights"] = torch.rand(T, K)
+        else:
+            x = rand(T * K, H, dtype=dtype)
+            idx = torch.randperm(T * K).reshape(T, K).to(torch.int32)
+            idx[0, 1] = -1
+            kw["permuted_idx"] = idx
+            kw["expert_weights"] = torch.rand(T, K).to(dtype)
+        shared = rand(T, H, dtype=dtype)
+        res = rand(T, H, dtype=dtype)
+        gamma = torch.rand(H) + 0.5
+        n, ro = arfuse.moe_finalize_allreduce_rmsnorm(c, x, res, gamma, 1e-6, shared_out=shared,
+                                                      routed_scaling=2.5, weight_bias=1.0, **kw)
+        ref_n, ref_r = reference.fused_reference(
+            [{"expert_out": x, "shared_out": shared, **kw}], res, gamma, 1e-6, weight_bias=1.0,
+            routed_scaling=2.5)
+        tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+        assert (ro.double() - ref_r.double()).norm() / ref_r.double().norm() <= tol
+        assert (n.double() - ref_n).norm() / ref_n.norm() <= tol
+
+
+def test_cpu_inplace(lib, comm):
+    T = 6
+    x, res, g = rand(T, H), rand(T, H), rand(H)
+    x0, res0 = x.clone(), res.clone()
+    out = arfuse.moe_finalize_allreduce_rmsnorm(comm, x, res, g, 1e-6, inplace=True)
+    assert out[0] is x and out[1] is res
+    ref_n, ref_r = reference.fused_reference([{"expert_out": x0}], res0, g, 1e-6)
+    assert torch.equal(res, ref_r)
+    assert (x.double() - ref_n).norm() / ref_n.norm() <= 1e-2
+
+
+def test_zero_tokens(lib, comm):
+    n, r = arfuse.moe_finalize_allreduce_rmsnorm(comm, rand(0, H), rand(0, H), rand(H), 1e-6)
+    assert n.shape == (0, H) and r.shape == (0, H)
+
+
+# ---- one clear error per bad argument, naming the argument and the rule -------------------------
+def _call(comm, **over):
+    T = 4
+    args = dict(expert_out=rand(T, 2, H), residual=rand(T, H), gamma=rand(H), eps=1e-6,
+                expert_weights=torch.rand(T, 2))
+    args.update(over)
+    return arfuse.moe_finalize_allreduce_rmsnorm(
+        comm, args.pop("expert_out"), args.pop("residual"), args.pop("gamma"), args.pop("eps"),
+        **args)
+
+
+@pytest.mark.parametrize("over,exc,msg", [
+    (dict(expert_out=rand(4, 2, H, dtype=torch.float16)), TypeError,
+     "expert_out: dtype Half does not match the communicator's BFloat16"),
+    (dict(residual=rand(4, H + 8)), ValueError, "residual: hidden size 72 does not match"),
+    (dict(residual=rand(40, H), expert_out=rand(40, H), expert_weights=None), ValueError,
+     "40 tokens exceed the communicator's capacity max_tokens=32"),
+    (dict(expert_out=rand(2, 4, H).transpose(0, 1)), ValueError, "expert_out: must be contiguous"),
+    (dict(expert_out=rand(5, 2, H)), ValueError, "expert_out: dense layout wants [T=4"),
+    (dict(expert_weights=torch.rand(4, 3)), ValueError, "expert_weights: want [T=4, K=2]"),
+    (dict(expert_weights=torch.rand(4, 2, dtype=torch.float64)), TypeError,
+     "expert_weights: dtype Double (want float32 or BFloat16)"),
+    (dict(expert_out=rand(4, H), expert_weights=torch.rand(4, 1)), ValueError,
+     "expert_weights: the plain layout is already reduced"),
+    (dict(permuted_idx=torch.zeros(4, 2, dtype=torch.int64), expert_out=rand(8, H)), TypeError,
+     "permuted_idx: dtype Long (want int32)"),
+    (dict(permuted_idx=torch.zeros(4, 70, dtype=torch.int32), expert_out=rand(8, H),
+          expert_weights=None), ValueError, "permuted_idx: want [T=4, K] with 1 <= K <= 64"),
+    (dict(shared_out=rand(3, H)), ValueError, "shared_out: want [T=4, H=64]"),
+    (dict(gamma=rand(H - 8)), ValueError, "gamma: want [H=64]"),
+    (dict(gamma=torch.rand(H, dtype=torch.float64)), TypeError, "gamma: dtype Double"),
+    (dict(weight_bias=0.5), ValueError, "weight_bias: 0.5 must be 0 (x * gamma) or 1"),
+    (dict(eps=-1.0), ValueError, "eps: -1 must be >= 0"),
+    (dict(algorithm="threeshot"), ValueError, "algorithm: 'threeshot' is not one of"),
+    (dict(fp8_scale=torch.ones(2)), ValueError, "fp8_scale: want one element"),
+    (dict(inplace=True), ValueError, "inplace: needs the plain layout"),
+])
+def test_bad_arguments(lib, comm, over, exc, msg):
+    with pytest.raises(exc) as e:
+        _call(comm, **over)
+    assert msg in str(e.value).splitlines()[0], str(e.value)
+
+
+def test_bad_communicator_arguments(lib):
+    def mk(**kw):
+        args = dict(rank=0, world_size=1, hidden=H, dtype=torch.bfloat16, max_tokens=8,
+                    oneshot_max_tokens=-1, ranks_per_device=1, device=torch.device("cpu"),
+                    timeout_s=1.0)
+        args.update(kw)
+        return torch.ops.arfuse.comm_create(*args.values())
+
+    with pytest.raises(ValueError, match="world_size: 17 is not supported"):
+        mk(world_size=17)
+    with pytest.raises(ValueError, match="rank: 2 is outside the group"):
+        mk(world_size=2, rank=2)
+    with pytest.raises(ValueError, match="hidden: 60 must be a positive multiple of 8"):
+        mk(hidden=60)
+    with pytest.raises(TypeError, match="dtype: dtype Double is not supported"):
+        mk(dtype=torch.float64)
+    with pytest.raises(ValueError, match="device: cpu is not supported"):
+        mk(world_size=2)
+    with pytest.raises(ValueError, match="oneshot_max_tokens: 9 must not exceed max_tokens"):
+        mk(oneshot_max_tokens=9)
+
+
+def test_closed_communicator(lib):
+    c = cpu_communicator(max_tokens=4, hidden=H, dtype=torch.bfloat16)
+    h = c.handle
+    c.close()
+    c.close()  # harmless
+    with pytest.raises(ValueError, match="closed"):
+        c.handle
+    with pytest.raises(ValueError, match=f"comm: {h} is not an open communicator"):
+        torch.ops.arfuse.fused(rand(2, H), None, None, None, rand(2, H), rand(H), 1e-6, 0.0, 1.0,
+                               None, h, 0)
+
+
+def test_wrong_comm_type(lib):
+    with pytest.raises(TypeError, match="comm: want an arfuse.Communicator"):
+        arfuse.moe_finalize_allreduce_rmsnorm("x", rand(2, H), rand(2, H), rand(H), 1e-6)
+
+
+def test_models_table():
+    m = arfuse.models()
+    assert m["deepseek-v3"]["hidden"] == 7168 and m["deepseek-v3"]["top_k"] == 8
+    assert m["gpt-oss-120b"]["hidden"] == 2880 and m["gpt-oss-120b"]["top_k"] == 4
+
+
+def test_manifest_plans_are_consistent(manifest):
+    for inst in manifest["instances"]:
+        p = inst["plan"]
+        if inst["generic"]:
+            continue
+        assert inst["hidden"] == p["nvec"] * p["vec"]
+        assert p["slice"] * p["cluster"] == p["nvec"]
+        assert p["threads_per_token"] * p["vecs_per_thread"] >= p["slice"]
+        json.dumps(inst)
