@@ -365,11 +365,12 @@ cudaError_t launch_fused(const LaunchParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   int cap = per_device;
   if (p.ranks_per_device > 1) {
-    // Emulated group: N grids share one GPU. Each gets 1/N of it; cluster grids get half of that,
-    // since N kernels' clusters fragment the GPCs and a cluster needs its CTAs in one GPC (seen on
-    // the H200: 8 ranks of 4-CTA clusters sized to exactly 1/8 did not all become resident).
+    // Emulated group: N grids share one GPU. Each gets 3/4 of its 1/N share, cluster grids half:
+    // packing the GPU exactly full is not enough (seen on the H200: 8 ranks of 2-blocks-per-SM
+    // grids sized to exactly 1/8 of the occupancy count, and 8 ranks of 4-CTA clusters, did not
+    // all become resident; clusters also fragment the GPCs, a cluster's CTAs share one GPC).
     cap = per_device / p.ranks_per_device;
-    if (Cfg::kCluster > 1) cap /= 2;
+    cap = Cfg::kCluster > 1 ? cap / 2 : cap * 3 / 4;
   }
   if (p.max_blocks > 0 && p.max_blocks < cap) cap = p.max_blocks;
   cap = (cap / Cfg::kCluster) * Cfg::kCluster;
