@@ -1,0 +1,215 @@
+"""Byte counts for ``python -m arfuse.bench`` (pure Python, no torch, no GPU).
+
+Every count is **per call and per rank**: the bytes one rank's kernel(s) read and write in global
+memory (its own HBM and, over NVLink, its peers' buffers). Notation:
+
+    T   tokens                     H   hidden size                N   world size (ranks)
+    K   experts per token (top_k)  e   bytes per activation element (bf16/fp16 2, fp32 4)
+    w   bytes per router weight (4 for float32 weights, e for weights in the activation dtype)
+    g   bytes per gamma element (e unless gamma is float32)
+    R   expert rows actually read: T*K (dense), the number of indices >= 0 (permuted), T (plain)
+
+Finalize input, read once by whichever kernel does the finalize (F_in)::
+
+    F_in = R*H*e                      expert rows
+         + T*K*w                      router weights          (dense, permuted)
+         + T*K*4                      int32 permuted indices  (permuted only)
+         + T*H*e                      shared-expert partial   (when a shared output is given)
+
+plain layout: R = T, no weights, no indices.
+
+One-shot (every rank pushes its partial rows to every peer, each rank sums all N)::
+
+    oneshot = F_in
+            + N*T*H*e     partial written to the N ranks' buffers (own buffer included)
+            + N*T*H*e     the N partials read back from this rank's buffer
+            + N*T*H*e     clearing writes (Lamport: the slot used two calls ago is reset)
+            + T*H*e       residual read
+            + H*g         gamma read
+            + 2*T*H*e     residual_out and norm_out written
+            = F_in + 3*N*T*H*e + 3*T*H*e + H*g
+
+Two-shot (reduce-scatter by token rows, then all-gather of the reduced rows, norm after the
+gather), as csrc/arfuse/kernel.cuh does it: the owner of a token adds the residual and gathers
+residual_out; every rank then reads the gathered rows and writes both outputs. Rank r owns
+ceil(T/N) tokens (the last ranks fewer); the terms marked (avg) are exact averages over ranks::
+
+    twoshot = F_in
+            + T*H*e               scatter: the partial written to the owners (T/N rows to each)
+            + N*(T/N)*H*e         owner reads the N partials of its rows          (avg; = T*H*e)
+            + (T/N)*H*e           owner reads the residual of its rows            (avg)
+            + N*(T/N)*H*e         gather: owner writes its residual_out rows to N ranks (avg)
+            + T*H*e               gather reads: every rank reads all T rows
+            + (ceil(T/N)*N + T)*H*e   clearing writes (the slot's scatter area + gather area)
+            + H*g                 gamma read
+            + 2*T*H*e             residual_out and norm_out written
+          ~ F_in + 7*T*H*e + (T/N)*H*e + H*g
+
+Unfused pipeline (standalone ``arfuse.moe_finalize`` kernel, then the plain-layout op)::
+
+    unfused = (F_in + T*H*e)                     finalize: rows etc. read, [T, H] written
+            + op(plain, F_in = T*H*e, algorithm)  the all-reduce + residual + RMSNorm kernel
+
+Emulated groups (``--emulate``) run all N ranks on one GPU, sharing one HBM: the bench reports
+per-rank bytes * N over the per-call time as achieved bandwidth. Under torchrun each rank has its
+own GPU: per-rank bytes over the per-call time.
+
+The PyTorch composition is a chain of many generic ops with intermediate tensors; its bytes are
+not counted (reported as empty).
+"""
+
+from __future__ import annotations
+
+LAYOUTS = ("permuted", "dense", "plain")
+ALGORITHMS = ("oneshot", "twoshot")
+
+
+def _check(layout: str, T: int, H: int, K: int, N: int) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    for name, v in (("tokens", T), ("hidden", H), ("top_k", K), ("world_size", N)):
+        if int(v) != v or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def rows_read(layout: str, T: int, K: int, valid_rows: int | None = None) -> int:
+    """R: expert rows read per rank. ``valid_rows`` (indices >= 0) is used for the permuted
+    layout; without it all T*K rows are assumed present."""
+    if layout == "plain":
+        return T
+    if layout == "permuted" and valid_rows is not None:
+        if not 0 <= valid_rows <= T * K:
+            raise ValueError(f"valid_rows={valid_rows} outside [0, T*K={T * K}]")
+        return int(valid_rows)
+    return T * K
+
+
+def finalize_input_bytes(layout: str, T: int, H: int, K: int, elem: int, *,
+                         valid_rows: int | None = None, weight_elem: int = 4,
+                         shared: bool = True) -> dict[str, int]:
+    """F_in, itemised: {'expert_rows', 'weights', 'indices', 'shared'}."""
+    _check(layout, T, H, K, 1)
+    R = rows_read(layout, T, K, valid_rows)
+    out = {"expert_rows": R * H * elem, "weights": 0, "indices": 0, "shared": 0}
+    if layout in ("dense", "permuted"):
+        out["weights"] = T * K * weight_elem
+    if layout == "permuted":
+        out["indices"] = T * K * 4
+    if shared:
+        out["shared"] = T * H * elem
+    return out
+
+
+def op_bytes_breakdown(algorithm: str, layout: str, T: int, H: int, K: int, N: int, elem: int,
+                       *, valid_rows: int | None = None, weight_elem: int = 4,
+                       shared: bool = True, gamma_elem: int | None = None) -> dict[str, int]:
+    """Per-rank bytes of one fused call (finalize + all-reduce + residual + RMSNorm), itemised."""
+    _check(layout, T, H, K, N)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected oneshot or twoshot")
+    g = elem if gamma_elem is None else gamma_elem
+    b = finalize_input_bytes(layout, T, H, K, elem, valid_rows=valid_rows,
+                             weight_elem=weight_elem, shared=shared)
+    row = T * H * elem
+    if algorithm == "oneshot":
+        b["push"] = N * row
+        b["peer_reads"] = N * row
+        b["clear"] = N * row
+        b["residual"] = row
+    else:
+        per = -(-T // N)  # ceil(T / N): tokens per owner
+        b["scatter"] = row
+        b["owner_reads"] = row                    # N * (T/N) * H * e, averaged over ranks
+        b["residual"] = (row + N // 2) // N       # (T/N) * H * e, averaged over ranks
+        b["gather_writes"] = row                  # N * (T/N) * H * e, averaged over ranks
+        b["gather_reads"] = row
+        b["clear"] = (per * N + T) * H * elem
+    b["gamma"] = H * g
+    b["outputs"] = 2 * row
+    return b
+
+
+def op_bytes(algorithm: str, layout: str, T: int, H: int, K: int, N: int, elem: int,
+             **kw) -> int:
+    """Per-rank bytes of one fused call; see the module docstring for the formula."""
+    return sum(op_bytes_breakdown(algorithm, layout, T, H, K, N, elem, **kw).values())
+
+
+def unfused_bytes(algorithm: str, layout: str, T: int, H: int, K: int, N: int, elem: int, *,
+                  valid_rows: int | None = None, weight_elem: int = 4, shared: bool = True,
+                  gamma_elem: int | None = None) -> int:
+    """Per-rank bytes of the unfused pipeline: standalone finalize (reads F_in, writes T*H*e),
+    then the plain-layout op (``algorithm`` is the one it dispatched to)."""
+    fin = sum(finalize_input_bytes(layout, T, H, K, elem, valid_rows=valid_rows,
+                                   weight_elem=weight_elem, shared=shared).values())
+    fin += T * H * elem
+    return fin + op_bytes(algorithm, "plain", T, H, 1, N, elem, shared=False,
+                          gamma_elem=gamma_elem)
+
+
+def resolve_algorithm(algorithm: str, T: int, oneshot_max_tokens: int) -> str:
+    """What "auto" dispatches to: one-shot for T <= the threshold."""
+    if algorithm == "auto":
+        return "oneshot" if T <= oneshot_max_tokens else "twoshot"
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}")
+    return algorithm
+
+
+# impl name -> (kind, algorithm): kind 'fused' = one fused call, 'unfused' = finalize + plain op,
+# None = bytes not counted.
+IMPL_ALGORITHM = {
+    "arfuse": ("fused", "auto"),
+    "arfuse_oneshot": ("fused", "oneshot"),
+    "arfuse_twoshot": ("fused", "twoshot"),
+    "unfused": ("unfused", "auto"),
+    "torch": (None, None),
+    "flashinfer_p7": ("fused", "oneshot"),   # FlashInfer's MoE-finalize fusion is one-shot only
+    "flashinfer_p1": ("unfused", "auto"),    # arfuse.moe_finalize + FlashInfer pattern 1
+}
+
+
+def impl_bytes(impl: str, layout: str, T: int, H: int, K: int, N: int, elem: int, *,
+               oneshot_max_tokens: int | None = None, algorithm: str | None = None,
+               **kw) -> int | None:
+    """Per-rank bytes of one call of a benchmarked implementation (None: not counted).
+
+    ``algorithm`` overrides the table (what the implementation actually ran); "auto" resolves
+    with ``oneshot_max_tokens`` (None: unknown, bytes not counted)."""
+    kind, algo = IMPL_ALGORITHM.get(impl, (None, None))
+    if kind is None:
+        return None
+    algo = algorithm or algo
+    if algo == "auto":
+        if oneshot_max_tokens is None:
+            return None
+        algo = resolve_algorithm(algo, T, oneshot_max_tokens)
+    if kind == "fused":
+        return op_bytes(algo, layout, T, H, K, N, elem, **kw)
+    return unfused_bytes(algo, layout, T, H, K, N, elem, **kw)
+
+
+def input_set_bytes(layout: str, T: int, H: int, K: int, elem: int, *, weight_elem: int = 4,
+                    shared: bool = True) -> int:
+    """Bytes allocated for one rank's input set (expert_out, indices, weights, shared, residual):
+    what rotating input sets must spread over to keep the data out of L2."""
+    _check(layout, T, H, K, 1)
+    rows = T if layout == "plain" else T * K
+    b = rows * H * elem + T * H * elem  # expert_out, residual
+    if layout in ("dense", "permuted"):
+        b += T * K * weight_elem
+    if layout == "permuted":
+        b += T * K * 4
+    if shared:
+        b += T * H * elem
+    return b
+
+
+def num_input_sets(set_bytes: int, l2_bytes: int, *, factor: float = 4.0, min_sets: int = 2,
+                   max_sets: int = 2048) -> int:
+    """Distinct input sets so that together they exceed ``factor`` x L2 (at least ``min_sets``
+    so that consecutive calls differ, at most ``max_sets``)."""
+    if set_bytes <= 0:
+        raise ValueError("set_bytes must be positive")
+    need = int(factor * l2_bytes) // int(set_bytes) + 1  # smallest n with n * set_bytes > factor * L2
+    return max(min_sets, min(max_sets, need))

@@ -1,0 +1,491 @@
+"""CPU tests of python -m arfuse.bench: argument parsing, model lookup, byte counts, the writers
+and the crossover picker. No GPU, no compiled library."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from arfuse import _bench_bytes as BB
+from arfuse import _bench_report as BR
+from arfuse import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODELS_YAML = """\
+models:
+  - name: deepseek-v3
+    hidden: 7168
+    top_k: 8
+    experts: 256
+  - name: tiny
+    hidden: 64
+    top_k: 2
+    experts: 4
+    routed_scaling: 2.5
+"""
+
+
+@pytest.fixture
+def models_file(tmp_path):
+    p = tmp_path / "models.yaml"
+    p.write_text(MODELS_YAML)
+    return str(p)
+
+
+def parse(argv, env_world=None):
+    return bench.parse_args(argv, env_world=env_world)
+
+
+# ---------------------------------------------------------------- argument parsing
+
+def test_help_exits_zero_without_gpu_or_library():
+    # what `python -m arfuse.bench --help` does (runpy), plus: the GPU module was not imported
+    code = ("import runpy, sys\n"
+            "sys.argv = ['arfuse.bench', '--help']\n"
+            "try:\n"
+            "    runpy.run_module('arfuse.bench', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as e:\n"
+            "    assert 'arfuse._bench_cuda' not in sys.modules, 'GPU module imported'\n"
+            "    sys.exit(e.code)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "ARFUSE_LIBRARY": "/nonexistent/lib.so"})
+    assert r.returncode == 0, r.stderr
+    assert "--tokens" in r.stdout and "--emulate" in r.stdout and "--tune" in r.stdout
+
+
+def test_parse_tokens():
+    assert bench.parse_tokens("8,1,2,2, 4") == [1, 2, 4, 8]
+    assert bench.parse_tokens("8192") == [8192]
+    for bad in ("", "1,x", "0", "-4", "1.5"):
+        with pytest.raises(bench.BenchError):
+            bench.parse_tokens(bad)
+
+
+def test_default_tokens_are_powers_of_two(models_file):
+    ns = parse(["--emulate", "--model", "tiny", "--models-file", models_file])
+    assert ns.tokens == [2 ** i for i in range(14)]
+    assert ns.tokens[-1] == 8192
+
+
+def test_model_lookup(models_file):
+    ns = parse(["--emulate", "--model", "tiny", "--models-file", models_file])
+    assert (ns.hidden, ns.topk, ns.model_name) == (64, 2, "tiny")
+    assert ns.routed_scaling == 2.5
+    assert ns.world_size == 8
+    ns = parse(["--emulate", "--model", "DeepSeek-V3", "--models-file", models_file,
+                "--routed-scaling", "1.5"])
+    assert (ns.hidden, ns.topk, ns.routed_scaling) == (7168, 8, 1.5)
+
+
+def test_bad_model_name_is_a_clear_error(models_file, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(["--emulate", "--model", "deepseek-v9", "--models-file", models_file])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'deepseek-v9'" in err
+    assert "deepseek-v3" in err  # suggestion / known list
+
+
+def test_repository_model_table_is_found():
+    ns = parse(["--emulate", "--model", "deepseek-v3"])
+    assert (ns.hidden, ns.topk) == (7168, 8)
+
+
+def test_read_models_yaml_rejects_bad_files(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("models:\n  - name: x\n    hidden: 8\n")
+    with pytest.raises(bench.BenchError, match="top_k"):
+        bench.read_models_yaml(p)
+    p.write_text("foo: 1\n")
+    with pytest.raises(bench.BenchError, match="models"):
+        bench.read_models_yaml(p)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--emulate"], "--model NAME or --hidden"),
+    (["--emulate", "--hidden", "4096"], "--topk is required"),
+    (["--emulate", "--hidden", "4096", "--topk", "8", "--replays", "49"], "--replays must be >= 50"),
+    (["--emulate", "--hidden", "4096", "--topk", "8", "--world-size", "17"], "1..16"),
+    (["--emulate", "--hidden", "4096", "--topk", "8", "--impls", "arfuse,nccl"], "unknown nccl"),
+    (["--hidden", "4096", "--topk", "8"], "not under torchrun"),
+    (["--emulate", "--hidden", "4096", "--topk", "8", "--tokens", "1,two"], "not an integer"),
+])
+def test_argument_errors(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_model_and_hidden_conflict(models_file, capsys):
+    with pytest.raises(SystemExit):
+        parse(["--emulate", "--model", "tiny", "--models-file", models_file, "--hidden", "64"])
+    assert "not both" in capsys.readouterr().err
+
+
+def test_torchrun_world_size():
+    ns = parse(["--hidden", "4096", "--topk", "8"], env_world=4)
+    assert ns.world_size == 4 and not ns.emulate
+    with pytest.raises(SystemExit):
+        parse(["--hidden", "4096", "--topk", "8", "--world-size", "8"], env_world=4)
+
+
+def test_impls_tune_and_plain():
+    ns = parse(["--emulate", "--hidden", "4096", "--topk", "8", "--impls", "torch,arfuse"])
+    assert ns.impls == ["arfuse", "torch"]  # canonical order
+    ns = parse(["--emulate", "--hidden", "4096", "--topk", "8", "--tune"])
+    assert ns.impls == ["arfuse_oneshot", "arfuse_twoshot"]
+    ns = parse(["--emulate", "--hidden", "4096", "--layout", "plain"])
+    assert ns.topk == 1 and ns.absent_frac == 0.0
+    ns = parse(["--emulate", "--hidden", "4096", "--topk", "8"])
+    assert ns.replays == 100 and ns.graph_calls == 20 and ns.layout == "permuted"
+    assert ns.absent_frac == 0.1 and ns.plot and ns.shared
+
+
+def test_output_stem_and_command():
+    ns = parse(["--emulate", "--hidden", "4096", "--topk", "8", "--dtype", "fp16"])
+    assert bench.output_stem(ns) == "bench_h4096k8_emu8_fp16_permuted"
+    assert bench.command_line(ns, ["--emulate", "--hidden", "4096"]).startswith(
+        "python -m arfuse.bench --emulate")
+    ns = parse(["--hidden", "4096", "--topk", "8"], env_world=2)
+    assert bench.command_line(ns, ["--hidden", "4096"]).startswith(
+        "torchrun --nproc-per-node=2 -m arfuse.bench")
+
+
+# ---------------------------------------------------------------- byte counts
+
+def test_finalize_input_bytes_by_hand():
+    # permuted: T=2, K=3, H=8, bf16; 5 of 6 rows valid; fp32 weights; shared
+    b = BB.finalize_input_bytes("permuted", 2, 8, 3, 2, valid_rows=5)
+    assert b == {"expert_rows": 5 * 8 * 2, "weights": 6 * 4, "indices": 6 * 4, "shared": 2 * 8 * 2}
+    b = BB.finalize_input_bytes("dense", 2, 8, 3, 2, valid_rows=5, shared=False)
+    assert b == {"expert_rows": 6 * 8 * 2, "weights": 24, "indices": 0, "shared": 0}
+    b = BB.finalize_input_bytes("plain", 2, 8, 3, 4)
+    assert b == {"expert_rows": 2 * 8 * 4, "weights": 0, "indices": 0, "shared": 2 * 8 * 4}
+
+
+def test_oneshot_bytes_by_hand():
+    # T=4, H=16, K=2, N=2, bf16 (e=2), dense, fp32 weights, shared
+    # F_in = 8 rows*16*2 = 256, weights 8*4 = 32, shared 4*16*2 = 128  -> 416
+    # row = T*H*e = 128: push 2*128, peer reads 2*128, clear 2*128 = 768
+    # residual 128, gamma 16*2 = 32, outputs 256                      -> 416
+    assert BB.op_bytes("oneshot", "dense", 4, 16, 2, 2, 2) == 416 + 768 + 416
+    b = BB.op_bytes_breakdown("oneshot", "dense", 4, 16, 2, 2, 2)
+    assert b["push"] == b["peer_reads"] == b["clear"] == 256
+
+
+def test_twoshot_bytes_by_hand():
+    # T=4, H=16, K=2, N=2, bf16, dense: row = 128, per = 2
+    # scatter 128, owner reads 128, owner residual 64, gather writes 128, gather reads 128,
+    # clear (2*2 + 4)*16*2 = 256, gamma 32, outputs 256                  -> 1120
+    assert BB.op_bytes("twoshot", "dense", 4, 16, 2, 2, 2) == 416 + 1120
+    # T=5, N=2: per = 3, clear (3*2 + 5)*H*e
+    b = BB.op_bytes_breakdown("twoshot", "plain", 5, 16, 1, 2, 2, shared=False)
+    assert b["clear"] == (3 * 2 + 5) * 16 * 2
+    assert b["residual"] == 5 * 16 * 2 // 2
+    assert b["expert_rows"] == 5 * 16 * 2 and b["weights"] == 0 and b["shared"] == 0
+
+
+def test_oneshot_formula_matches_docstring():
+    T, H, K, N, e = 64, 7168, 8, 8, 2
+    valid = 460
+    f_in = valid * H * e + T * K * 4 + T * K * 4 + T * H * e
+    got = BB.op_bytes("oneshot", "permuted", T, H, K, N, e, valid_rows=valid)
+    assert got == f_in + 3 * N * T * H * e + 3 * T * H * e + H * e
+
+
+def test_unfused_bytes_by_hand():
+    # T=4, H=16, K=2, N=2, bf16, dense: finalize 416 + write 128 = 544
+    # plain op one-shot: read 128, push/peer/clear 768, residual 128, gamma 32, outputs 256 = 1312
+    assert BB.unfused_bytes("oneshot", "dense", 4, 16, 2, 2, 2) == 544 + 1312
+
+
+def test_impl_bytes_dispatch():
+    kw = dict(oneshot_max_tokens=4)
+    one = BB.op_bytes("oneshot", "dense", 4, 16, 2, 2, 2)
+    two = BB.op_bytes("twoshot", "dense", 8, 16, 2, 2, 2)
+    assert BB.impl_bytes("arfuse", "dense", 4, 16, 2, 2, 2, **kw) == one
+    assert BB.impl_bytes("arfuse", "dense", 8, 16, 2, 2, 2, **kw) == two
+    assert BB.impl_bytes("arfuse_twoshot", "dense", 8, 16, 2, 2, 2, **kw) == two
+    assert BB.impl_bytes("unfused", "dense", 4, 16, 2, 2, 2, **kw) == \
+        BB.unfused_bytes("oneshot", "dense", 4, 16, 2, 2, 2)
+    assert BB.impl_bytes("torch", "dense", 4, 16, 2, 2, 2, **kw) is None
+    assert BB.impl_bytes("arfuse", "dense", 4, 16, 2, 2, 2, oneshot_max_tokens=None) is None
+    assert BB.impl_bytes("flashinfer_p1", "dense", 8, 16, 2, 2, 2, algorithm="oneshot") == \
+        BB.unfused_bytes("oneshot", "dense", 8, 16, 2, 2, 2)
+
+
+def test_byte_count_errors():
+    with pytest.raises(ValueError):
+        BB.op_bytes("threeshot", "dense", 4, 16, 2, 2, 2)
+    with pytest.raises(ValueError):
+        BB.op_bytes("oneshot", "sparse", 4, 16, 2, 2, 2)
+    with pytest.raises(ValueError):
+        BB.finalize_input_bytes("permuted", 2, 8, 3, 2, valid_rows=7)
+
+
+def test_input_rotation():
+    # one permuted set, bf16, T=1, H=7168, K=8, fp32 weights, shared
+    s = BB.input_set_bytes("permuted", 1, 7168, 8, 2)
+    assert s == 8 * 7168 * 2 + 7168 * 2 + 8 * 4 + 8 * 4 + 7168 * 2
+    l2 = 60 << 20
+    n = BB.num_input_sets(s, l2)
+    assert n * s > 4 * l2 and (n - 1) * s <= 4 * l2
+    assert BB.num_input_sets(10 << 30, l2) == 2          # huge sets: still 2 (consecutive differ)
+    assert BB.num_input_sets(1, l2, max_sets=64) == 64    # capped
+    assert BB.num_input_sets(l2, l2) == 5                 # 4x exactly is not "exceeds"
+
+
+# ---------------------------------------------------------------- rows and writers
+
+def synthetic_rows():
+    rows = []
+    for T, a, one, two, unf, tor in [(1, 10.0, 10.0, 14.0, 20.0, 80.0),
+                                     (64, 12.0, 12.0, 15.0, 24.0, 90.0),
+                                     (512, 30.0, 35.0, 30.0, 60.0, 200.0)]:
+        for impl, med in (("arfuse", a), ("arfuse_oneshot", one), ("arfuse_twoshot", two),
+                          ("unfused", unf), ("torch", tor)):
+            rows.append(BR.new_row(impl, T, median_us=med, p10_us=med * 0.9, p90_us=med * 1.1,
+                                   bytes_per_rank=None if impl == "torch" else 1_000_000 * T,
+                                   timing="graph", replays=100, graph_calls=20, input_sets=4,
+                                   algorithm="oneshot"))
+    rows.append(BR.new_row("flashinfer_p7", 1, note="failed: RuntimeError: boom"))
+    return rows
+
+
+def test_percentile_and_summary():
+    xs = list(range(1, 11))
+    assert BR.percentile(xs, 50) == 5.5
+    assert BR.percentile(xs, 10) == pytest.approx(1.9)
+    assert BR.percentile(xs, 90) == pytest.approx(9.1)
+    assert BR.percentile([3.0], 90) == 3.0
+    s = BR.summarize([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert s["median_us"] == 3.0 and s["n"] == 5
+
+
+def test_finish_rows_ratio_and_bandwidth():
+    rows = BR.finish_rows(synthetic_rows(), copy_gbps=4000.0, ranks_per_gpu=8)
+    by = {(r["impl"], r["tokens"]): r for r in rows}
+    r = by[("arfuse", 64)]
+    assert r["ratio_to_unfused"] == pytest.approx(12.0 / 24.0)
+    assert r["bytes_counted"] == 64_000_000 * 8
+    assert r["gbps"] == pytest.approx(64e6 * 8 / 12e-6 / 1e9)
+    assert r["frac_copy_bw"] == pytest.approx(r["gbps"] / 4000.0)
+    assert by[("unfused", 64)]["ratio_to_unfused"] == pytest.approx(1.0)
+    assert by[("torch", 64)]["gbps"] is None
+    assert by[("flashinfer_p7", 1)]["ratio_to_unfused"] is None
+
+
+def test_csv_roundtrip(tmp_path):
+    rows = BR.finish_rows(synthetic_rows(), copy_gbps=4000.0, ranks_per_gpu=1)
+    p = tmp_path / "r.csv"
+    BR.write_csv(p, rows)
+    with open(p) as f:
+        recs = list(csv.DictReader(f))
+    assert list(recs[0]) == list(BR.CSV_FIELDS)
+    assert len(recs) == len(rows)
+    assert (recs[0]["impl"], recs[0]["tokens"]) == ("arfuse", "1")  # sorted by T, then impl
+    back = BR.read_csv(p)
+    a = next(r for r in back if r["impl"] == "arfuse" and r["tokens"] == 512)
+    assert a["median_us"] == 30.0 and a["bytes_per_rank"] == 512_000_000
+    assert a["ratio_to_unfused"] == pytest.approx(0.5)
+    f = next(r for r in back if r["impl"] == "flashinfer_p7")
+    assert f["median_us"] is None and f["note"].startswith("failed")
+
+
+def test_markdown_table():
+    rows = BR.finish_rows(synthetic_rows(), copy_gbps=4000.0, ranks_per_gpu=8)
+    md = BR.markdown_table(rows, title="t", notes=["n1"], emulated=True, world_size=8,
+                           copy_gbps=4000.0)
+    lines = md.splitlines()
+    head = next(l for l in lines if l.startswith("| T |"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    assert cols[:6] == ["T", "arfuse (auto)", "arfuse one-shot", "arfuse two-shot",
+                        "unfused (finalize + AR/norm)", "PyTorch composition"]
+    assert cols[-2:] == ["arfuse GB/s", "% copy BW"]
+    assert "FlashInfer pattern 7" in cols
+    body = [l for l in lines if l.startswith("| 64 |")]
+    assert len(body) == 1
+    cells = [c.strip() for c in body[0].strip("|").split("|")]
+    assert cells[1] == "12.0 (0.50×)"
+    gbps = 64e6 * 8 / 12e-6 / 1e9
+    assert cells[-2] == f"{gbps:,.0f}"
+    assert cells[-1] == f"{100 * gbps / 4000:.0f}%"
+    assert "share one GPU" in md and "Emulated group: 8 ranks" in md
+    assert "- FlashInfer pattern 7, T=1: failed: RuntimeError: boom" in md
+    # one line per token count
+    assert sum(1 for l in lines if l.startswith("| ") and not l.startswith("| T")) == 3
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    p = tmp_path / "p.png"
+    BR.plot(p, BR.finish_rows(synthetic_rows(), copy_gbps=None, ranks_per_gpu=1), title="x")
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- crossover
+
+def tune_rows(pairs):
+    rows = []
+    for T, one, two in pairs:
+        rows.append(BR.new_row("arfuse_oneshot", T, median_us=one))
+        rows.append(BR.new_row("arfuse_twoshot", T, median_us=two))
+    return rows
+
+
+def test_crossover_simple():
+    thr, warns = BR.pick_crossover(tune_rows([(1, 5, 9), (2, 5, 9), (4, 6, 8), (8, 9, 8),
+                                              (16, 14, 10)]))
+    assert thr == 4 and warns == []
+
+
+def test_crossover_edges():
+    thr, warns = BR.pick_crossover(tune_rows([(1, 9, 5), (2, 9, 5)]))
+    assert thr == 0 and warns
+    thr, warns = BR.pick_crossover(tune_rows([(1, 1, 5), (2, 1, 5)]))
+    assert thr == 2 and any("beyond" in w for w in warns)
+    # noisy: two-shot wins at 2, one-shot again at 4 -> largest one-shot win, with a warning
+    thr, warns = BR.pick_crossover(tune_rows([(1, 1, 5), (2, 6, 5), (4, 6, 7), (8, 9, 7)]))
+    assert thr == 4 and any("not monotone" in w for w in warns)
+    # two-shot not timed at T=1 (e.g. T < N): counts as a one-shot win
+    rows = tune_rows([(2, 6, 5)]) + [BR.new_row("arfuse_oneshot", 1, median_us=3.0),
+                                     BR.new_row("arfuse_twoshot", 1, note="skip")]
+    assert BR.pick_crossover(rows)[0] == 1
+
+
+def test_tuning_row_and_yaml():
+    import yaml
+
+    row = BR.tuning_row("bf16", 7168, 8, 128)
+    assert row == "- {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 128}"
+    doc = yaml.safe_load(BR.tuning_yaml(card="NVIDIA H200", date="2026-01-02T03:04:05+00:00",
+                                        commit="abc", command="python -m arfuse.bench --tune",
+                                        rows=[row], warnings=["w"]))
+    assert doc == {"card": "NVIDIA H200", "date": "2026-01-02", "commit": "abc",
+                   "command": "python -m arfuse.bench --tune",
+                   "thresholds": [{"dtype": "bf16", "hidden": 7168, "world_size": 8,
+                                   "oneshot_max_tokens": 128}]}
+
+
+# ---------------------------------------------------------------- end to end writers
+
+def test_write_outputs_from_synthetic_run(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    ns = parse(["--emulate", "--hidden", "4096", "--topk", "8", "--out", str(tmp_path),
+                "--tune", "--tokens", "1,64,512"])
+    monkeypatch.setenv("ARFUSE_COMMIT", "deadbeef")
+    monkeypatch.setattr(bench, "git_commit", lambda: "deadbeef")
+    res = {"rows": synthetic_rows(), "copy_gbps": 4000.0, "oneshot_max_tokens": 64,
+           "notes": ["a note"], "checks": [], "failed_check": [], "aborted": None,
+           "is_main": True, "l2_bytes": 60 << 20, "card": "Fake GPU", "flashinfer": None,
+           "flashinfer_api": None}
+    paths = bench.write_outputs(ns, res, ["--emulate", "--tune"])
+    assert set(paths) == {"csv", "md", "json", "yaml", "png"}
+    env = json.loads(paths["json"].read_text())
+    assert env["card"] == "Fake GPU" and env["arfuse_commit"] == "deadbeef"
+    assert env["tuning"]["oneshot_max_tokens"] == 64
+    assert env["command"] == "python -m arfuse.bench --emulate --tune"
+    assert "oneshot_max_tokens: 64" in paths["yaml"].read_text()
+    md = paths["md"].read_text()
+    assert "Fake GPU" in md and "Note: a note" in md and "one-shot for T <= 64" in md
+
+
+def test_no_gpu_message(monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = bench.main(["--emulate", "--hidden", "4096", "--topk", "8"])
+    assert rc == 1
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the PyTorch side on the CPU
+
+class _SeqGroup:
+    """LocalGroup stand-in: calls fn(rank, None) for every rank, one after the other."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def run(self, fn):
+        return [fn(r, None) for r in range(self.n)]
+
+    def status(self):
+        return [0] * self.n
+
+
+def _cpu_setup(layout, dtype_name="bf16", N=3, H=64, K=4, shared=True, scaling=2.5,
+               weight_bias=0.0):
+    torch = pytest.importorskip("torch")
+    from arfuse import _bench_cuda as BC
+
+    dtype = BC.TORCH_DTYPES[dtype_name]
+    args = SimpleNamespace(hidden=H, topk=1 if layout == "plain" else K, layout=layout,
+                           shared=shared, routed_scaling=scaling, eps=1e-6,
+                           weight_bias=weight_bias, absent_frac=0.25 if layout == "permuted"
+                           else 0.0, seed=1, dtype=dtype_name, world_size=N, tokens=[5],
+                           comm_timeout=1.0)
+    g = torch.Generator().manual_seed(0)
+    gamma = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    return BC, BC.Setup(args=args, dtype=dtype, elem=gamma.element_size(),
+                        weight_dtype=torch.float32, device=torch.device("cpu"), emulated=True,
+                        world_size=N, rank=0, ranks=list(range(N)), gamma=gamma,
+                        gamma_plus=gamma.float() + weight_bias, group=_SeqGroup(N))
+
+
+@pytest.mark.parametrize("layout", ["permuted", "dense", "plain"])
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_torch_composition_matches_reference(layout, dtype_name):
+    BC, st = _cpu_setup(layout, dtype_name, weight_bias=1.0 if layout == "dense" else 0.0)
+    sets = BC.make_sets(st, 5, 2)
+    assert len(sets) == 2 and set(sets[0]) == {0, 1, 2}
+    a, b = sets[0][0], sets[0][1]
+    assert a.residual.equal(b.residual)                       # replicated
+    assert a.residual.data_ptr() != b.residual.data_ptr()     # in separate memory
+    assert not a.expert_out.equal(b.expert_out)               # per-rank partials
+    assert not sets[0][0].expert_out.equal(sets[1][0].expert_out)  # sets differ
+    if layout == "permuted":
+        assert a.idx.dtype.is_floating_point is False and a.idx.shape == (5, 4)
+        assert (a.idx >= 0).sum() == a.valid_rows
+        assert 0 < BC.mean_valid_rows(sets) <= 20
+    ref = BC.reference(st, sets[0])
+    outs = BC.TorchEmulated(st, sets).once(0)
+    assert len(outs) == 3
+    for norm, res in outs:
+        assert norm.dtype == st.dtype and res.dtype == st.dtype
+        assert BC.rel_err(norm, ref[0]) <= BC.TOLERANCE[dtype_name]
+        assert BC.rel_err(res, ref[1]) <= BC.TOLERANCE[dtype_name]
+    # the other set gives another answer: the check would catch a kernel reading stale data
+    assert BC.rel_err(BC.TorchEmulated(st, sets).once(1)[0][0], ref[0]) > 0.1
+
+
+def test_rel_err_flags_nan_and_scales_by_max():
+    torch = pytest.importorskip("torch")
+    from arfuse import _bench_cuda as BC
+
+    ref = torch.tensor([1.0, -4.0, 2.0])
+    assert BC.rel_err(ref.clone(), ref) == 0.0
+    assert BC.rel_err(torch.tensor([1.0, -4.0, 2.04]), ref) == pytest.approx(0.01)
+    assert BC.rel_err(torch.tensor([float("nan"), -4.0, 2.0]), ref) == float("inf")
+
+
+def test_flashinfer_views_fold_scaling_and_absent_rows():
+    torch = pytest.importorskip("torch")
+    from arfuse import reference
+
+    BC, st = _cpu_setup("permuted", "fp32")
+    sets = BC.make_sets(st, 5, 1)
+    BC.add_flashinfer_views(st, sets)
+    inp = sets[0][1]
+    assert inp.fi["idx"].min() >= 0 and inp.fi["idx"].dtype == torch.int32
+    want = reference.finalize(inp.expert_out, num_tokens=5, permuted_idx=inp.idx,
+                              expert_weights=inp.weights, shared_out=inp.shared,
+                              routed_scaling=2.5)
+    got = reference.finalize(inp.fi["rows"], num_tokens=5, permuted_idx=inp.fi["idx"],
+                             expert_weights=inp.fi["weights"], shared_out=inp.shared)
+    assert torch.allclose(got, want, atol=1e-5)
