@@ -1,0 +1,33 @@
+"""arfuse's vLLM integration (written against vLLM 0.26.0; docs/vllm.md).
+
+* ArfuseAllReduceFusionPass (arfuse.vllm.fusion): a VllmPatternMatcherPass for vLLM's post-grad
+  pass manager that replaces all_reduce + rms_norm / fused_add_rms_norm (and the MoE tail before
+  them) by torch.ops.arfuse.fused.
+* moe_finalize_allreduce_rms_norm (arfuse.vllm.eager): the same fusion as an eager call.
+* register (arfuse.vllm.plugin): the `vllm.general_plugins` entry point, enabled by ARFUSE_VLLM=1.
+
+Attributes load their module on first use, so that vLLM's plugin loader importing
+arfuse.vllm.plugin pulls in neither vLLM's compiler stack nor the compiled library while the
+integration is off.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ArfuseAllReduceFusionPass": "fusion",
+    "moe_finalize_allreduce_rms_norm": "eager",
+    "register": "plugin",
+    "get_communicator": "plugin",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

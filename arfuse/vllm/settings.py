@@ -1,0 +1,87 @@
+"""Environment settings of the arfuse vLLM integration, read in one place.
+
+Nothing here imports vLLM or the compiled arfuse library, so the plugin entry point can decide
+whether to do anything at all without paying for either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ENABLE_ENV = "ARFUSE_VLLM"
+MAX_TOKENS_ENV = "ARFUSE_VLLM_MAX_TOKENS"
+ONESHOT_MAX_TOKENS_ENV = "ARFUSE_VLLM_ONESHOT_MAX_TOKENS"
+ALGORITHM_ENV = "ARFUSE_VLLM_ALGORITHM"
+
+# The `algorithm` argument of torch.ops.arfuse.fused.
+ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2}
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the user asked for through the environment."""
+
+    enabled: bool
+    # Cap on the communicator's capacity in tokens (None: vLLM's max_num_batched_tokens).
+    max_tokens: int | None
+    # The communicator's one-shot capacity (None: arfuse's default).
+    oneshot_max_tokens: int | None
+    algorithm: str
+
+    @property
+    def algorithm_code(self) -> int:
+        return ALGORITHMS[self.algorithm]
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: want 1 or 0")
+
+
+def _positive_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: want a positive integer") from None
+    if value < 1:
+        raise ValueError(f"{name}={raw!r}: want a positive integer")
+    return value
+
+
+def from_env() -> Settings:
+    """Reads the ARFUSE_VLLM* variables; raises ValueError naming a malformed one."""
+    algorithm = os.environ.get(ALGORITHM_ENV, "auto").strip().lower() or "auto"
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{ALGORITHM_ENV}={algorithm!r}: want one of {sorted(ALGORITHMS)}")
+    return Settings(
+        enabled=_flag(ENABLE_ENV),
+        max_tokens=_positive_int(MAX_TOKENS_ENV),
+        oneshot_max_tokens=_positive_int(ONESHOT_MAX_TOKENS_ENV),
+        algorithm=algorithm,
+    )
+
+
+def source_hash() -> str:
+    """Hash of the integration's source files that decide what the compiled graph holds (for
+    cache keys). Reads files only, imports nothing."""
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for name in ("fusion.py", "settings.py"):
+        digest.update((here / name).read_bytes())
+    return digest.hexdigest()

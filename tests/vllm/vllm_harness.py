@@ -1,0 +1,499 @@
+"""Set-up shared by the tests against the real vLLM package (0.26.0, requirements-vllm.txt).
+
+Everything runs on the CPU in one process with vLLM's distributed state for a world of one rank
+(gloo). Modules call vLLM's real ops the way vLLM's decoder layers do, with one deliberate
+difference: vLLM's GroupCoordinator.all_reduce returns its input unchanged when the group has one
+rank, so a TP=1 graph holds no all-reduce at all. The modules here call
+torch.ops.vllm.all_reduce(x, group_name=...) directly, exactly as GroupCoordinator.all_reduce does
+for TP > 1, and the group gets vLLM's base device communicator (torch.distributed.all_reduce over
+the one-rank gloo group, i.e. the identity) so that the original graph runs too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# vLLM's ModelConfig asks the Hugging Face hub about the model unless told it is offline; the
+# tests' models are local config.json files.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+VLLM_VERSION = "0.26.0"
+
+
+_NO_VLLM = "vLLM is not installed (scripts/install-vllm.sh installs the pinned release)"
+
+
+def require_vllm() -> Any:
+    """At a test module's top: skips the module unless the real vLLM package is importable."""
+    try:
+        import vllm
+    except ImportError:
+        pytest.skip(_NO_VLLM, allow_module_level=True)
+    # Without vLLM installed, `import vllm` can find this very folder (tests/vllm) as a namespace
+    # package; the real one has a version.
+    if getattr(vllm, "__version__", None) is None:
+        pytest.skip(_NO_VLLM, allow_module_level=True)
+    return vllm
+
+
+def require_arfuse() -> Any:
+    """At a test module's top: skips the module unless arfuse's compiled library loads."""
+    import arfuse
+
+    if not arfuse.is_built():
+        pytest.skip(
+            f"arfuse's compiled library is not built ({arfuse.library_path()} missing or not "
+            "loadable; `make` builds it)",
+            allow_module_level=True,
+        )
+    return arfuse
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model's config.json (only what vLLM's ModelConfig reads) and its MoE tail."""
+
+    name: str
+    config: dict[str, Any]
+    hidden: int
+    eps: float
+    routed_scaling: float
+    shared_experts: bool
+    n_experts: int
+    top_k: int
+
+
+QWEN3_MOE = ModelSpec(
+    name="qwen3-30b-a3b",
+    config={
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_hidden_layers": 2,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    hidden=2048,
+    eps=1e-6,
+    routed_scaling=1.0,
+    shared_experts=False,
+    n_experts=8,
+    top_k=2,
+)
+
+DEEPSEEK_V2 = ModelSpec(
+    name="deepseek-v2",
+    config={
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": 5120,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 8,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 16.0,
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+        "scoring_func": "softmax",
+        "vocab_size": 1024,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    hidden=5120,
+    eps=1e-6,
+    routed_scaling=16.0,
+    shared_experts=True,
+    n_experts=8,
+    top_k=2,
+)
+
+
+def zoo_spec(hidden: int = 256) -> ModelSpec:
+    """A small model for the every-pattern graphs (the pass only reads hidden size and dtype)."""
+    cfg = dict(QWEN3_MOE.config, hidden_size=hidden)
+    return ModelSpec(
+        name=f"zoo-h{hidden}",
+        config=cfg,
+        hidden=hidden,
+        eps=1e-6,
+        routed_scaling=2.5,
+        shared_experts=True,
+        n_experts=4,
+        top_k=2,
+    )
+
+
+def model_dir(root: Path, spec: ModelSpec) -> Path:
+    d = root / spec.name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(spec.config))
+    return d
+
+
+def vllm_config(root: Path, spec: ModelSpec, dtype: torch.dtype, **compilation: Any) -> Any:
+    from vllm.config import CompilationConfig, DeviceConfig, ModelConfig, VllmConfig
+    from vllm.config.compilation import PassConfig
+
+    model_config = ModelConfig(
+        model=str(model_dir(root, spec)),
+        dtype=str(dtype).removeprefix("torch."),
+        skip_tokenizer_init=True,
+    )
+    return VllmConfig(
+        model_config=model_config,
+        device_config=DeviceConfig(device="cpu"),
+        compilation_config=CompilationConfig(
+            pass_config=PassConfig(eliminate_noops=True), **compilation
+        ),
+    )
+
+
+# ---- vLLM's distributed state (one rank) ---------------------------------------------------------
+
+_group_name: str | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_distributed(config: Any) -> str:
+    """vLLM's world/TP groups for one rank on gloo (once per process); returns the TP group name."""
+    global _group_name
+    if _group_name is not None:
+        return _group_name
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+    from vllm.distributed.device_communicators.base_device_communicator import (
+        DeviceCommunicatorBase,
+    )
+
+    with set_current_vllm_config(config):
+        if not ps.model_parallel_is_initialized():
+            ps.init_distributed_environment(
+                world_size=1,
+                rank=0,
+                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                local_rank=0,
+                backend="gloo",
+            )
+            ps.initialize_model_parallel(1)
+    class OutOfPlace(DeviceCommunicatorBase):
+        # The base class reduces in place and returns its input, which torch.ops.vllm.all_reduce
+        # (an out-of-place op) must not: vLLM's GPU communicators return a new tensor.
+        def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+            return super().all_reduce(input_.clone())
+
+    tp = ps.get_tp_group()
+    if tp.device_communicator is None:
+        tp.device_communicator = OutOfPlace(
+            tp.cpu_group, tp.device, tp.device_group, tp.unique_name
+        )
+    _group_name = tp.unique_name
+    return _group_name
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """What vLLM's GroupCoordinator.all_reduce puts in the graph for TP > 1."""
+    assert _group_name is not None
+    return torch.ops.vllm.all_reduce(x, group_name=_group_name)
+
+
+# ---- an MoE layer behind vLLM's moe_forward ops ---------------------------------------------------
+
+
+def _runner_class() -> type:
+    """A MoERunnerInterface whose _forward_impl computes a dense top-k MoE with PyTorch.
+
+    vLLM's torch.ops.vllm.moe_forward(_shared) look the layer up by name in the forward context
+    and call its _forward_impl; the real runners need vLLM's compiled MoE kernels, which the CUDA
+    wheel cannot load without a GPU driver. Only _forward_impl is called.
+    """
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import (
+        MoERunnerInterface,
+    )
+
+    def unused(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("not used by the tests")
+
+    def __init__(self, name, hidden, n_experts, top_k, inter, shared, dtype, renormalize):
+        MoERunnerInterface.__init__(self)
+        self.layer_name = name
+        self.top_k = top_k
+        self.renormalize = renormalize
+        g = torch.Generator().manual_seed(abs(hash(name)) % (1 << 31))
+
+        def param(*shape: int, std: float) -> torch.nn.Parameter:
+            t = torch.randn(*shape, generator=g, dtype=torch.float32) * std
+            return torch.nn.Parameter(t.to(dtype), requires_grad=False)
+
+        self.w13 = param(n_experts, 2 * inter, hidden, std=hidden**-0.5)
+        self.w2 = param(n_experts, hidden, inter, std=inter**-0.5)
+        self.shared13 = param(2 * inter, hidden, std=hidden**-0.5) if shared else None
+        self.shared2 = param(hidden, inter, std=inter**-0.5) if shared else None
+
+    def _mlp(x, w13, w2):
+        gate, up = (x.float() @ w13.float().t()).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ w2.float().t()
+
+    def _forward_impl(self, hidden_states, router_logits, shared_experts_input, input_ids):
+        probs = torch.softmax(router_logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32)
+        for e in range(self.w13.shape[0]):
+            tok, slot = torch.nonzero(ids == e, as_tuple=True)
+            if tok.numel():
+                y = _mlp(hidden_states[tok], self.w13[e], self.w2[e])
+                out.index_add_(0, tok, y * weights[tok, slot, None])
+        fused = out.to(hidden_states.dtype)
+        if self.shared13 is None:
+            return fused
+        shared = _mlp(hidden_states, self.shared13, self.shared2).to(hidden_states.dtype)
+        return shared, fused
+
+    namespace = {name: unused for name in MoERunnerInterface.__abstractmethods__}
+    namespace.update(__init__=__init__, _forward_impl=_forward_impl)
+    return type("DenseTestMoERunner", (MoERunnerInterface,), namespace)
+
+
+_RUNNER: type | None = None
+
+
+def moe_runner(config: Any, name: str, spec: ModelSpec, dtype: torch.dtype, shared: bool) -> Any:
+    """A runner registered in `config` under `name`, as MoERunner registers itself."""
+    global _RUNNER
+    if _RUNNER is None:
+        _RUNNER = _runner_class()
+    runner = _RUNNER(
+        name, spec.hidden, spec.n_experts, spec.top_k, 32, shared, dtype, renormalize=True
+    )
+    cc = config.compilation_config
+    cc.static_forward_context[name] = runner
+    cc.static_all_moe_layers.append(name)
+    return runner
+
+
+def layer_name(name: str) -> Any:
+    from vllm.utils.torch_utils import _USE_LAYERNAME, LayerName
+
+    return LayerName(name) if _USE_LAYERNAME else name
+
+
+def moe_tail(
+    h: torch.Tensor,
+    gate: torch.Tensor,
+    name: Any,
+    *,
+    shared: bool,
+    routed_scaling: float,
+    form: str = "runner",
+) -> torch.Tensor:
+    """MoERunner.forward (vllm/model_executor/layers/fused_moe/runner/moe_runner.py, 0.26.0)
+    from the moe_forward op on: routed scale, shared add, final all-reduce.
+
+    form "runner" follows its code (`fused *= rsf`, or for fp16 with shared experts
+    `shared *= 1/rsf`); "shared_scaled" forces the fp16 branch for any dtype.
+    """
+    router_logits = torch.nn.functional.linear(h, gate)
+    if shared:
+        shared_out, fused_out = torch.ops.vllm.moe_forward_shared(
+            h, router_logits, None, None, name, 0
+        )
+    else:
+        fused_out = torch.ops.vllm.moe_forward(h, router_logits, None, None, name, 0)
+        shared_out = None
+    if routed_scaling != 1.0:
+        fp16_branch = form == "shared_scaled" or fused_out.dtype == torch.float16
+        if not fp16_branch or shared_out is None:
+            fused_out *= routed_scaling
+        else:
+            shared_out *= 1.0 / routed_scaling
+    result = shared_out + fused_out if shared_out is not None else fused_out
+    return all_reduce(result)
+
+
+# ---- running vLLM's pass manager -----------------------------------------------------------------
+
+
+def op_name(node: Any) -> str:
+    target = getattr(node, "target", None)
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name
+    return ""
+
+
+def count(graph: torch.fx.Graph, name: str) -> int:
+    return sum(1 for n in graph.nodes if op_name(n) == name)
+
+
+def fused_calls(graph: torch.fx.Graph) -> list[tuple[Any, ...]]:
+    """(eps, weight_bias, routed_scaling, has shared, outputs used) of each arfuse.fused call,
+    after dead-code elimination (as vLLM's cleanup pass does next)."""
+    graph = copy.deepcopy(graph)
+    graph.eliminate_dead_code()
+    out = []
+    for n in graph.nodes:
+        if op_name(n) != "arfuse::fused":
+            continue
+        a = n.args
+        used = sorted(u.args[1] for u in n.users)
+        out.append((a[6], a[7], a[8], a[3] is not None, tuple(used)))
+    return sorted(out)
+
+
+class GraphRecorder:
+    """Test instrumentation placed in vLLM's pass list: copies the graph at its position."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.Graph] = []
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.graphs.append(copy.deepcopy(graph))
+
+    def is_applicable_for_range(self, compile_range: Any) -> bool:
+        return True
+
+    def uuid(self) -> str:
+        return "arfuse-test-graph-recorder"
+
+
+class _CudaOnlyStep:
+    """vLLM's FixFunctionalizationPass starts by naming torch.ops._C.rotary_embedding, which the
+    CUDA wheel's kernel library registers only where it loads (it needs the GPU driver,
+    libcuda.so.1). Without it that step cannot run at all; it only rewrites auto_functionalized
+    calls of vLLM's own kernels, none of which these graphs hold. Everything else of the pass
+    manager runs as vLLM wrote it."""
+
+    def __init__(self, step: Any) -> None:
+        self.step = step
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> Any:
+        return self.step.uuid()
+
+
+@dataclass
+class Compiled:
+    output: Any
+    before: torch.fx.Graph  # the graph as the arfuse pass received it
+    after: torch.fx.Graph  # the graph as the arfuse pass left it
+    pass_manager: Any
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def compile_with_pass_manager(
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    config: Any,
+    fusion_pass: Any,
+    *,
+    compile_range: tuple[int, int],
+    dynamic: bool = False,
+) -> Compiled:
+    """torch.compile `module` with Inductor and vLLM's PostGradPassManager (configured from
+    `config`, the arfuse pass added by the plugin's own add_pass), as vLLM's backend sets them up:
+    the IR functionalization pass pre-grad, the pass manager post-grad, inside vLLM's pass
+    context for `compile_range`. Returns the output of one call and the graph around the pass."""
+    from torch._inductor.compile_fx import compile_fx
+    from vllm.compilation.passes.inductor_pass import pass_context
+    from vllm.compilation.passes.ir.inplace_functionalization import (
+        VllmIRInplaceFunctionalizationPass,
+    )
+    from vllm.compilation.passes.pass_manager import PostGradPassManager
+    from vllm.config import set_current_vllm_config
+    from vllm.config.utils import Range
+    from vllm.env_override import _apply_constrain_to_fx_strides_patch
+    from vllm.forward_context import set_forward_context
+
+    from arfuse.vllm import plugin
+
+    # vLLM's Inductor adaptor applies this before each compile (opaque LayerName arguments of
+    # the moe_forward ops; pytorch/pytorch#175973).
+    _apply_constrain_to_fx_strides_patch()
+    pm = PostGradPassManager()
+    with set_current_vllm_config(config):
+        pm.configure(config)
+    plugin.add_pass(pm, fusion_pass)
+    before, after = GraphRecorder(), GraphRecorder()
+    i = pm.passes.index(fusion_pass)
+    pm.passes[i : i + 1] = [before, fusion_pass, after]
+    if not hasattr(torch.ops._C, "rotary_embedding"):
+        pm.fix_functionalization = _CudaOnlyStep(pm.fix_functionalization)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        patches = {
+            "post_grad_custom_post_pass": pm,
+            "pre_grad_custom_pass": VllmIRInplaceFunctionalizationPass(config),
+            "force_disable_caches": True,
+        }
+        with pass_context(Range(*compile_range)):
+            return compile_fx(gm, example_inputs, config_patches=patches)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)
+    args = [a.clone() for a in args]
+    if dynamic:
+        for a in args:
+            torch._dynamo.mark_dynamic(a, 0)
+    with set_current_vllm_config(config), set_forward_context(None, config), torch.no_grad():
+        output = compiled(*args)
+    assert before.graphs and after.graphs, "vLLM's pass manager never reached the arfuse pass"
+    return Compiled(output, before.graphs[-1], after.graphs[-1], pm)
+
+
+def run_eager(module: torch.nn.Module, args: Sequence[torch.Tensor], config: Any) -> Any:
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    with set_current_vllm_config(config), set_forward_context(None, config), torch.no_grad():
+        return module(*[a.clone() for a in args])
