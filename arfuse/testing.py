@@ -11,16 +11,39 @@ up after timeout_s instead of hanging.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _lib
 from .comm import Communicator
+
+# Each rank's stream needs a hardware work queue of its own: two ranks' streams sharing one queue
+# serialise, and ranks that wait for each other then wait until the timeout. CUDA has 8 queues
+# unless CUDA_DEVICE_MAX_CONNECTIONS says otherwise (at most 32), read when CUDA initialises.
+_QUEUES_SET_BY_US = False
+if not torch.cuda.is_initialized() and "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ:
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+    _QUEUES_SET_BY_US = True
+
+
+def _hardware_queues() -> int:
+    try:
+        return int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
+    except ValueError:
+        return 8
 
 
 class LocalGroup:
     def __init__(self, world_size: int, *, max_tokens: int, hidden: int, dtype: torch.dtype,
                  device=None, oneshot_max_tokens: int | None = None, timeout_s: float = 10.0):
         _lib.require()
+        if world_size * 2 > _hardware_queues():
+            raise RuntimeError(
+                f"arfuse: LocalGroup({world_size}): CUDA_DEVICE_MAX_CONNECTIONS is "
+                f"{_hardware_queues()}; an emulated group needs at least 2 * world_size hardware "
+                "queues so that no two ranks' streams share one. Set CUDA_DEVICE_MAX_CONNECTIONS=32 "
+                "before CUDA initialises (importing arfuse.testing first does it).")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
@@ -43,15 +66,29 @@ class LocalGroup:
 
     def run(self, fn):
         """Calls fn(rank, comm) for every rank, each on its own stream, concurrently on the GPU;
-        returns the results in rank order once the current stream has waited for every rank."""
+        returns the results in rank order once the current stream has waited for every rank.
+
+        The fused ops called inside fn are launched after fn has returned for every rank (in
+        call order, on the stream they were called on), so fn must not consume their outputs
+        itself: return them, or call run() again for a dependent step. Other work fn enqueues
+        runs before them on its stream. Tensors the ops use are kept alive until the launch."""
         current = torch.cuda.current_stream(self.device)
         results = []
+        launch = False
+        # The ranks' kernels wait for each other, so nothing that synchronises implicitly (a
+        # device allocation by the caching allocator, a kernel's lazy loading) may come between
+        # their launches: the ops only queue them while fn runs, and they are launched back to
+        # back afterwards. If fn raises for any rank, nothing is launched.
+        torch.ops.arfuse.defer_launches(True)
         try:
             for rank, (comm, stream) in enumerate(zip(self.comms, self.streams)):
                 stream.wait_stream(current)
                 with torch.cuda.stream(stream):
                     results.append(fn(rank, comm))
+            launch = True
         finally:
+            torch.ops.arfuse.defer_launches(False)
+            torch.ops.arfuse.flush_launches(launch)
             for stream in self.streams:
                 current.wait_stream(stream)
         return results

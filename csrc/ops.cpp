@@ -31,6 +31,17 @@ std::mutex g_mu;
 std::unordered_map<int64_t, std::unique_ptr<Comm>> g_comms;
 int64_t g_next = 1;
 
+// Deferred launches of this thread (see ops.h: defer_launches).
+struct Pending {
+  const Instance* instance;
+  LaunchParams params;
+  cudaStream_t stream;
+  at::Device device;
+  std::vector<at::Tensor> keep;  // every tensor the launch reads or writes stays alive until then
+};
+thread_local bool t_defer = false;
+thread_local std::vector<Pending> t_pending;
+
 int64_t rows_per_slot(int64_t world, int64_t max_tokens, int64_t oneshot_cap) {
   const int64_t oneshot = world * oneshot_cap;
   const int64_t per = (max_tokens + world - 1) / world;
@@ -375,7 +386,8 @@ void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
             const std::optional<at::Tensor>& expert_weights,
             const std::optional<at::Tensor>& shared_out, const at::Tensor& residual,
             const at::Tensor& gamma, double eps, double weight_bias, double routed_scaling,
-            const std::optional<at::Tensor>& fp8_scale, void* norm_out, void* residual_out) {
+            const std::optional<at::Tensor>& fp8_scale, const at::Tensor& norm_out,
+            const at::Tensor& residual_out) {
   const uint32_t err_word = *reinterpret_cast<volatile uint32_t*>(c.error_host);
   TORCH_CHECK(err_word == 0, "arfuse: comm: this communicator is broken: an earlier call gave up "
               "waiting for rank ", err_word - 1, " after ", c.timeout_ns / 1000000,
@@ -402,8 +414,8 @@ void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
   p.eps = static_cast<float>(eps);
   p.weight_bias = static_cast<float>(weight_bias);
   p.routed_scaling = static_cast<float>(routed_scaling);
-  p.norm_out = norm_out;
-  p.residual_out = residual_out;
+  p.norm_out = norm_out.data_ptr();
+  p.residual_out = residual_out.data_ptr();
   for (int n = 0; n < kMaxWorld; ++n) p.buffers[n] = c.peers[n];
   p.ctrl = c.ctrl;
   p.error_flag = c.error_dev;
@@ -413,9 +425,47 @@ void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
   p.timeout_ns = c.timeout_ns;
   const c10::cuda::CUDAGuard guard(c.device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c.device.index()).stream();
+  if (t_defer) {
+    // Load the kernel and size the grid now, so that flushing issues nothing but launches.
+    p.prepare_only = 1;
+    const cudaError_t err = k.instance->launch(p, stream);
+    TORCH_CHECK(err == cudaSuccess, "arfuse: preparing ", k.instance->name,
+                " failed: ", cudaGetErrorString(err));
+    p.prepare_only = 0;
+    std::vector<at::Tensor> keep = {expert_out, residual, gamma, norm_out, residual_out};
+    for (const auto* t : {&permuted_idx, &expert_weights, &shared_out, &fp8_scale}) {
+      if (t->has_value()) keep.push_back(**t);
+    }
+    t_pending.push_back(Pending{k.instance, p, stream, c.device, std::move(keep)});
+    return;
+  }
   const cudaError_t err = k.instance->launch(p, stream);
   TORCH_CHECK(err == cudaSuccess, "arfuse: launch of ", k.instance->name,
               " failed: ", cudaGetErrorString(err));
+}
+
+void defer_launches(bool enable) {
+  TORCH_CHECK_VALUE(!enable || t_pending.empty(),
+                    "arfuse: defer_launches: ", t_pending.size(),
+                    " deferred launches were never flushed");
+  t_defer = enable;
+}
+
+int64_t flush_launches(bool do_launch) {
+  std::vector<Pending> pending;
+  pending.swap(t_pending);
+  if (!do_launch) return static_cast<int64_t>(pending.size());
+  std::string failed;
+  for (const Pending& q : pending) {
+    const c10::cuda::CUDAGuard guard(q.device);
+    const cudaError_t err = q.instance->launch(q.params, q.stream);
+    if (err != cudaSuccess && failed.empty()) {
+      failed = std::string(q.instance->name) + ": " + cudaGetErrorString(err);
+    }
+  }
+  // A failed launch leaves its peers waiting: they give up after the timeout (no hang).
+  TORCH_CHECK(failed.empty(), "arfuse: deferred launch of ", failed, " failed");
+  return static_cast<int64_t>(pending.size());
 }
 
 std::tuple<at::Tensor, at::Tensor> fused(
@@ -433,7 +483,7 @@ std::tuple<at::Tensor, at::Tensor> fused(
   at::Tensor residual_out = at::empty({k.T, k.H}, residual.options());
   if (k.T == 0) return {norm_out, residual_out};
   launch(c, k, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
-         weight_bias, routed_scaling, fp8_scale, norm_out.data_ptr(), residual_out.data_ptr());
+         weight_bias, routed_scaling, fp8_scale, norm_out, residual_out);
   return {norm_out, residual_out};
 }
 
@@ -448,7 +498,7 @@ void fused_inplace(at::Tensor& input, at::Tensor& residual,
                              weight_bias, std::nullopt, algorithm, /*check_device=*/true);
   if (k.T == 0) return;
   launch(c, k, input, std::nullopt, std::nullopt, shared_out, residual, gamma, eps, weight_bias,
-         routed_scaling, std::nullopt, input.data_ptr(), residual.data_ptr());
+         routed_scaling, std::nullopt, input, residual);
 }
 
 at::Tensor moe_finalize(const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,

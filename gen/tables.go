@@ -6,7 +6,7 @@ package main
 
 // apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
 // Every generated C++ file static_asserts on it so that stale output stops compiling.
-const apiVersion = 3
+const apiVersion = 4
 
 // vectorBytes is the width of one vectorised global-memory access.
 const vectorBytes = 16
@@ -102,6 +102,8 @@ var ops = []Op{
 		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused_inplace"}, {Key: "Meta", Fn: "fused_inplace_meta"}}},
 	{Name: "moe_finalize", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, float routed_scaling, int num_tokens) -> Tensor",
 		Kernels: []OpKernel{{Key: "CUDA", Fn: "moe_finalize"}, {Key: "Meta", Fn: "moe_finalize_meta"}}},
+	{Name: "defer_launches", Signature: "(bool enable) -> ()", CatchAll: "defer_launches"},
+	{Name: "flush_launches", Signature: "(bool launch) -> int", CatchAll: "flush_launches"},
 	{Name: "supported_variants", Signature: "() -> str[]", CatchAll: "supported_variants"},
 	{Name: "instance_for", Signature: "(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind) -> str", CatchAll: "instance_for"},
 	{Name: "oneshot_threshold", Signature: "(ScalarType dtype, int hidden, int world_size) -> int", CatchAll: "oneshot_threshold"},

@@ -8,8 +8,11 @@ import json
 import os
 import sys
 
-import pytest
-import torch
+# Before CUDA initialises: one hardware queue per emulated rank's stream (see arfuse.testing).
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:

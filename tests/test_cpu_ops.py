@@ -30,7 +30,7 @@ def rand(*shape, dtype=torch.bfloat16):
 def test_library_matches_manifest(lib, manifest):
     names = sorted(arfuse.supported_variants())
     assert names == sorted(i["name"] for i in manifest["instances"])
-    assert manifest["api_version"] == 3
+    assert manifest["api_version"] == 4
 
 
 def test_schemas_are_registered(lib):
@@ -123,6 +123,15 @@ def test_cpu_inplace(lib, comm):
     ref_n, ref_r = reference.fused_reference([{"expert_out": x0}], res0, g, 1e-6)
     assert torch.equal(res, ref_r)
     assert (x.double() - ref_n).norm() / ref_n.norm() <= 1e-2
+
+
+def test_deferred_launch_queue(lib):
+    torch.ops.arfuse.defer_launches(True)
+    try:
+        assert torch.ops.arfuse.flush_launches(False) == 0
+    finally:
+        torch.ops.arfuse.defer_launches(False)
+    assert torch.ops.arfuse.flush_launches(True) == 0
 
 
 def test_zero_tokens(lib, comm):

@@ -375,6 +375,7 @@ cudaError_t launch_fused(const LaunchParams& p, cudaStream_t stream) {
   if (p.max_blocks > 0 && p.max_blocks < cap) cap = p.max_blocks;
   cap = (cap / Cfg::kCluster) * Cfg::kCluster;
   if (cap < Cfg::kCluster) return cudaErrorLaunchOutOfResources;
+  if (p.prepare_only) return cudaSuccess;
   const int chunks = (p.num_tokens + Cfg::kTpb - 1) / Cfg::kTpb;
   int grid = chunks * Cfg::kCluster;
   if (grid > cap) grid = cap;

@@ -54,6 +54,15 @@ at::Tensor moe_finalize_meta(const at::Tensor& expert_out,
                              const std::optional<at::Tensor>& shared_out, double routed_scaling,
                              int64_t num_tokens);
 
+// ---- deferred launches (emulated groups on one GPU) ----
+// While enabled on this thread, the fused ops validate, allocate and prepare (load the kernel,
+// size the grid) but queue the launch; flush_launches(true) then launches the queue back to back,
+// flush_launches(false) discards it. Returns how many were queued. An emulated group needs this:
+// a device allocation, a kernel's lazy loading or any other implicitly synchronising call issued
+// between two ranks' launches stops the later rank from running beside the earlier, spinning one.
+void defer_launches(bool enable);
+int64_t flush_launches(bool launch);
+
 // ---- introspection ----
 std::vector<std::string> supported_variants();
 std::string instance_for(at::ScalarType dtype, int64_t hidden, int64_t world_size,

@@ -10,7 +10,7 @@ namespace arfuse {
 
 // Bumped whenever LaunchParams, the kernel template's parameters or the launcher signature change.
 // Every generated file static_asserts on it, so stale generated output stops compiling.
-#define ARFUSE_DEVICE_API_VERSION 3
+#define ARFUSE_DEVICE_API_VERSION 4
 
 constexpr int kMaxWorld = 16;   // largest tensor-parallel group a communicator serves
 constexpr int kMaxTopK = 64;    // largest K (experts per token) accepted by the op
@@ -71,6 +71,7 @@ struct LaunchParams {
   int32_t max_blocks;        // grid cap so that every rank sharing this GPU is co-resident
   int32_t ranks_per_device;  // 1 for one GPU per rank; N for an emulated group
   int64_t timeout_ns;        // a wait longer than this gives up, poisons outputs, sets error_flag
+  int32_t prepare_only;      // 1: load the kernel and size the grid, launch nothing (deferred launches)
 };
 
 }  // namespace arfuse

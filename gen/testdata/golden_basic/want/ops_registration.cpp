@@ -4,7 +4,7 @@
 #include "arfuse/ops.h"
 #include "arfuse/params.h"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 3, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 4, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 TORCH_LIBRARY(arfuse, m) {
   m.def("comm_create(int rank, int world_size, int hidden, ScalarType dtype, int max_tokens, int oneshot_max_tokens, int ranks_per_device, Device device, float timeout_s) -> int", &arfuse::ops::comm_create);
@@ -17,6 +17,8 @@ TORCH_LIBRARY(arfuse, m) {
   m.def("fused(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, Tensor? fp8_scale, int comm, int algorithm) -> (Tensor, Tensor)");
   m.def("fused_inplace(Tensor(a!) input, Tensor(b!) residual, Tensor? shared_out, Tensor gamma, float eps, float weight_bias, float routed_scaling, int comm, int algorithm) -> ()");
   m.def("moe_finalize(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, float routed_scaling, int num_tokens) -> Tensor");
+  m.def("defer_launches(bool enable) -> ()", &arfuse::ops::defer_launches);
+  m.def("flush_launches(bool launch) -> int", &arfuse::ops::flush_launches);
   m.def("supported_variants() -> str[]", &arfuse::ops::supported_variants);
   m.def("instance_for(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind) -> str", &arfuse::ops::instance_for);
   m.def("oneshot_threshold(ScalarType dtype, int hidden, int world_size) -> int", &arfuse::ops::oneshot_threshold);
