@@ -60,7 +60,8 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 
 from . import settings as _settings
 
-logger = logging.getLogger(__name__)
+# Under "vllm" so that vLLM's logging configuration (format, level) applies.
+logger = logging.getLogger("vllm.arfuse")
 
 EPSILONS = (1e-5, 1e-6)
 # Gemma-style (x * (1 + w)) first: its weight is `w.float() + 1.0`, which the plain pattern would
@@ -184,6 +185,7 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
         self.handle = int(communicator.handle)
         self.max_tokens = int(communicator.max_tokens)
         self._register_patterns()
+        self.dump_patterns(config, self.patterns)  # only with vLLM's debug dump path set
         self.disabled = False
         logger.debug(
             "arfuse: %d patterns for hidden=%d dtype=%s world_size=%d max_tokens=%d",

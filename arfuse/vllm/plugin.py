@@ -33,7 +33,8 @@ from typing import Any
 
 from . import settings as _settings
 
-logger = logging.getLogger(__name__)
+# Under "vllm" so that vLLM's logging configuration (format, level) applies.
+logger = logging.getLogger("vllm.arfuse")
 
 _lock = threading.RLock()
 _hooked = False
