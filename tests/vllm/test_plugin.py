@@ -91,3 +91,26 @@ def test_enabled_hooks_once_and_stays_out_at_tp1(site, tmp_path):
     assert got["tp1_communicator"] is False
     # The GPU worker class is importable on this machine too; its load_model is hooked.
     assert got["worker_hooked"] is True, got["worker_hooked"]
+
+
+def test_pass_goes_before_vllms_own_allreduce_and_norm_fusions():
+    """The plugin's ordering rule, by class name. (vLLM's fusion pass modules cannot be imported
+    here: they need vLLM's CUDA kernels, which need a GPU driver; the plugin matches names.)"""
+    from types import SimpleNamespace
+
+    from arfuse.vllm.plugin import add_pass
+
+    def passes(*names):
+        return [type(n, (), {})() for n in names]
+
+    mine = object()
+    pm = SimpleNamespace(passes=passes("NoOpEliminationPass", "AllReduceFusionPass",
+                                       "RMSNormQuantFusionPass", "ActivationQuantFusionPass"))
+    add_pass(pm, mine)
+    assert pm.passes.index(mine) == 1
+    pm = SimpleNamespace(passes=passes("NoOpEliminationPass", "RMSNormQuantFusionPass"))
+    add_pass(pm, mine)
+    assert pm.passes.index(mine) == 1
+    pm = SimpleNamespace(passes=passes("NoOpEliminationPass"))
+    add_pass(pm, mine)
+    assert pm.passes[-1] is mine
