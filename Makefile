@@ -23,10 +23,10 @@ ARCH_FLAGS ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=
 
 LIB       := $(LIBDIR)/libarfuse_ops.so
 HAND_CU   := csrc/kernels.cu
-HAND_CXX  := csrc/ops.cpp csrc/meta.cpp csrc/dispatch.cpp
+HAND_CXX  := csrc/ops.cpp csrc/validate.cpp csrc/dispatch.cpp
 HEADERS   := $(wildcard csrc/arfuse/*.h csrc/arfuse/*.cuh)
 
-.PHONY: all env toolchain generate lib wheel test test-go test-python test-gpu check-generated clean help
+.PHONY: all env vllm-env toolchain generate lib wheel test test-go test-python test-gpu check-generated clean help
 .DEFAULT_GOAL := all
 
 all: wheel
@@ -39,6 +39,11 @@ env:
 ifeq ($(PYTHON),$(VENV)/bin/python)
 	@scripts/bootstrap.sh $(VENV)
 endif
+
+# vLLM 0.26.0 (pinned by requirements-vllm.txt) for tests/vllm; those tests skip where it is absent.
+# Not part of test-gpu: the GPU machine has no network.
+vllm-env: env
+	@scripts/install-vllm.sh $(PYTHON)
 
 # nvcc: NVCC if given, else nvcc on PATH when its CUDA major matches torch's, else the project-local
 # toolchain from the Python package registry (scripts/install-cuda.sh).
@@ -118,7 +123,7 @@ endif
 CI_OUT   := build/ci/out
 CI_LIB   := build/ci/lib
 
-test: test-go check-generated
+test: test-go check-generated vllm-env
 	@$(MAKE) --no-print-directory lib MATRIX=ci OUT=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN) -j$(JOBS)
 	@$(MAKE) --no-print-directory test-python
 

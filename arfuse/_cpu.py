@@ -1,7 +1,7 @@
 """CPU implementation of the ops for a communicator of world size 1 (the all-reduce is the
 identity). It lets graphs that call arfuse run on the CPU (graph-rewrite tests, the vLLM pass
-tests) with the op's exact definition; it is not a fast path. Validation is the C++ op's own:
-the arguments are first run through the Meta implementation."""
+tests) with the op's exact definition; it is not a fast path. Validation is the C++ op's own
+(torch.ops.arfuse.validate), run first: CPU and CUDA reject the same inputs with the same message."""
 
 from __future__ import annotations
 
@@ -10,10 +10,6 @@ import torch
 from . import reference
 
 _lib = None
-
-
-def _meta(t):
-    return None if t is None else t.to("meta")
 
 
 def _check_comm(comm: int) -> None:
@@ -26,23 +22,23 @@ def _check_comm(comm: int) -> None:
 
 def _compute(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
              weight_bias, routed_scaling, fp8_scale):
-    T = residual.shape[0]
+    dtype = expert_out.dtype
+    T = permuted_idx.shape[0] if permuted_idx is not None else expert_out.shape[0]
     partial = reference.finalize(expert_out, num_tokens=T, permuted_idx=permuted_idx,
                                  expert_weights=expert_weights, shared_out=shared_out,
-                                 routed_scaling=routed_scaling).to(residual.dtype)
+                                 routed_scaling=routed_scaling).to(dtype)
     norm, residual_out = reference.allreduce_add_rmsnorm([partial], residual, gamma, eps,
-                                                         weight_bias, residual.dtype)
+                                                         weight_bias, dtype)
     if fp8_scale is not None:
         return reference.quantize_fp8_static(norm, fp8_scale), residual_out
-    return norm.to(residual.dtype), residual_out
+    return norm.to(dtype), residual_out
 
 
 def fused_cpu(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
               weight_bias, routed_scaling, fp8_scale, comm, algorithm):
     _check_comm(comm)
-    torch.ops.arfuse.fused(_meta(expert_out), _meta(permuted_idx), _meta(expert_weights),
-                           _meta(shared_out), _meta(residual), _meta(gamma), eps, weight_bias,
-                           routed_scaling, _meta(fp8_scale), comm, algorithm)
+    torch.ops.arfuse.validate(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
+                              eps, weight_bias, fp8_scale, comm, algorithm)
     return _compute(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
                     weight_bias, routed_scaling, fp8_scale)
 
@@ -50,8 +46,10 @@ def fused_cpu(expert_out, permuted_idx, expert_weights, shared_out, residual, ga
 def fused_inplace_cpu(input, residual, shared_out, gamma, eps, weight_bias, routed_scaling, comm,
                       algorithm):
     _check_comm(comm)
-    torch.ops.arfuse.fused_inplace(_meta(input), _meta(residual), _meta(shared_out), _meta(gamma),
-                                   eps, weight_bias, routed_scaling, comm, algorithm)
+    if input.dim() != 2:
+        raise ValueError(f"arfuse: input: in-place needs the plain layout [T, H], got {list(input.shape)}")
+    torch.ops.arfuse.validate(input, None, None, shared_out, residual, gamma, eps, weight_bias, None,
+                              comm, algorithm)
     norm, residual_out = _compute(input, None, None, shared_out, residual, gamma, eps,
                                   weight_bias, routed_scaling, None)
     input.copy_(norm)
@@ -60,8 +58,8 @@ def fused_inplace_cpu(input, residual, shared_out, gamma, eps, weight_bias, rout
 
 def moe_finalize_cpu(expert_out, permuted_idx, expert_weights, shared_out, routed_scaling,
                      num_tokens):
-    torch.ops.arfuse.moe_finalize(_meta(expert_out), _meta(permuted_idx), _meta(expert_weights),
-                                  _meta(shared_out), routed_scaling, num_tokens)
+    torch.ops.arfuse.validate_finalize(expert_out, permuted_idx, expert_weights, shared_out,
+                                       num_tokens)
     return reference.finalize(expert_out, num_tokens=num_tokens, permuted_idx=permuted_idx,
                               expert_weights=expert_weights, shared_out=shared_out,
                               routed_scaling=routed_scaling).to(expert_out.dtype)

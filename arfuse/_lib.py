@@ -46,8 +46,9 @@ def load() -> bool:
             return False
         _loaded = path
         _error = None
-    from . import _cpu
+    from . import _cpu, _fake
 
+    _fake.register()
     _cpu.register()
     return True
 

@@ -43,6 +43,7 @@ def moe_finalize_allreduce_rmsnorm(comm, expert_out, residual, gamma, eps, *, pe
     residual_out[t] = sum[t] + residual[t]; norm_out[t] = residual_out[t] *
     rsqrt(mean(residual_out[t]^2) + eps) * (gamma + weight_bias).
 
+    residual: [T, H], or None for no residual add (residual_out is then the all-reduced sum).
     expert_out: [T, H] (plain, already reduced), [T, K, H] (dense) or [P, H] rows addressed by
     permuted_idx [T, K] int32 (-1: expert not on this rank). expert_weights [T, K]: float32 or
     the activation dtype (None: 1). inplace (plain layout only): norm_out is written into

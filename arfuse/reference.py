@@ -73,7 +73,9 @@ def allreduce_add_rmsnorm(partials, residual, gamma, eps, weight_bias, dtype, ac
     total = partials[0].to(acc)
     for p in partials[1:]:
         total = total + p.to(acc)
-    residual_out = (total + residual.to(acc)).to(dtype)
+    if residual is not None:  # None: no residual add (vLLM's first layer)
+        total = total + residual.to(acc)
+    residual_out = total.to(dtype)
     return rmsnorm(residual_out, gamma, eps, weight_bias, acc), residual_out
 
 
@@ -81,8 +83,10 @@ def fused_reference(rank_inputs, residual, gamma, eps, *, weight_bias=0.0, route
                     acc=torch.float64):
     """The whole op for N ranks. rank_inputs: one dict per rank with expert_out, permuted_idx,
     expert_weights, shared_out. Returns (norm_out in acc, residual_out in the activation dtype)."""
-    dtype = residual.dtype
-    T = residual.shape[0]
+    first = rank_inputs[0]
+    dtype = first["expert_out"].dtype
+    idx = first.get("permuted_idx")
+    T = idx.shape[0] if idx is not None else first["expert_out"].shape[0]
     partials = []
     for inp in rank_inputs:
         p = finalize(inp["expert_out"], num_tokens=T, permuted_idx=inp.get("permuted_idx"),

@@ -262,22 +262,41 @@ void check_act(const at::Tensor& t, const char* name, const Comm& c) {
 Checked validate(const Comm& c, const at::Tensor& expert_out,
                  const std::optional<at::Tensor>& permuted_idx,
                  const std::optional<at::Tensor>& expert_weights,
-                 const std::optional<at::Tensor>& shared_out, const at::Tensor& residual,
-                 const at::Tensor& gamma, double eps, double weight_bias,
+                 const std::optional<at::Tensor>& shared_out,
+                 const std::optional<at::Tensor>& residual_opt, const at::Tensor& gamma, double eps,
+                 double weight_bias,
                  const std::optional<at::Tensor>& fp8_scale, int64_t algorithm, bool check_device) {
   Checked k;
   TORCH_CHECK_VALUE(c.peers_ready, "arfuse: comm: peers are not set (Communicator not finished)");
   TORCH_CHECK_VALUE(algorithm >= 0 && algorithm <= 2, "arfuse: algorithm: ", algorithm,
                     " is not one of 0 (auto), 1 (oneshot), 2 (twoshot)");
-  TORCH_CHECK_VALUE(residual.dim() == 2, "arfuse: residual: want [T, H], got ", residual.sizes());
-  k.T = residual.size(0);
-  k.H = residual.size(1);
-  TORCH_CHECK_VALUE(k.H == c.hidden, "arfuse: residual: hidden size ", k.H,
+  // T and H come from the residual, or without one (no residual add: vLLM's first layer) from
+  // the expert input: [T, H] plain, [T, K, H] dense, permuted_idx [T, K] with rows [P, H].
+  const char* shape_arg = "residual";
+  if (residual_opt.has_value()) {
+    const at::Tensor& residual = *residual_opt;
+    TORCH_CHECK_VALUE(residual.dim() == 2, "arfuse: residual: want [T, H], got ", residual.sizes());
+    k.T = residual.size(0);
+    k.H = residual.size(1);
+    check_act(residual, "residual", c);
+    check_tensor(residual, "residual", c, check_device);
+  } else if (permuted_idx.has_value()) {
+    shape_arg = "permuted_idx";
+    TORCH_CHECK_VALUE(permuted_idx->dim() == 2, "arfuse: permuted_idx: want [T, K], got ",
+                      permuted_idx->sizes());
+    k.T = permuted_idx->size(0);
+    k.H = expert_out.size(-1);
+  } else {
+    shape_arg = "expert_out";
+    TORCH_CHECK_VALUE(expert_out.dim() == 2 || expert_out.dim() == 3,
+                      "arfuse: expert_out: want [T, H] or [T, K, H], got ", expert_out.sizes());
+    k.T = expert_out.size(0);
+    k.H = expert_out.size(-1);
+  }
+  TORCH_CHECK_VALUE(k.H == c.hidden, "arfuse: ", shape_arg, ": hidden size ", k.H,
                     " does not match the communicator's ", c.hidden);
-  TORCH_CHECK_VALUE(k.T <= c.max_tokens, "arfuse: residual: ", k.T,
+  TORCH_CHECK_VALUE(k.T <= c.max_tokens, "arfuse: ", shape_arg, ": ", k.T,
                     " tokens exceed the communicator's capacity max_tokens=", c.max_tokens);
-  check_act(residual, "residual", c);
-  check_tensor(residual, "residual", c, check_device);
 
   check_act(expert_out, "expert_out", c);
   check_tensor(expert_out, "expert_out", c, check_device);
@@ -384,10 +403,10 @@ Checked validate(const Comm& c, const at::Tensor& expert_out,
 void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
             const std::optional<at::Tensor>& permuted_idx,
             const std::optional<at::Tensor>& expert_weights,
-            const std::optional<at::Tensor>& shared_out, const at::Tensor& residual,
-            const at::Tensor& gamma, double eps, double weight_bias, double routed_scaling,
-            const std::optional<at::Tensor>& fp8_scale, const at::Tensor& norm_out,
-            const at::Tensor& residual_out) {
+            const std::optional<at::Tensor>& shared_out,
+            const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
+            double weight_bias, double routed_scaling, const std::optional<at::Tensor>& fp8_scale,
+            const at::Tensor& norm_out, const at::Tensor& residual_out) {
   const uint32_t err_word = *reinterpret_cast<volatile uint32_t*>(c.error_host);
   TORCH_CHECK(err_word == 0, "arfuse: comm: this communicator is broken: an earlier call gave up "
               "waiting for rank ", err_word - 1, " after ", c.timeout_ns / 1000000,
@@ -399,7 +418,7 @@ void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
   p.permuted_idx = permuted_idx ? permuted_idx->data_ptr<int32_t>() : nullptr;
   p.expert_weights = expert_weights ? expert_weights->data_ptr() : nullptr;
   p.shared_out = shared_out ? shared_out->data_ptr() : nullptr;
-  p.residual = residual.data_ptr();
+  p.residual = residual ? residual->data_ptr() : nullptr;
   p.gamma = gamma.data_ptr();
   p.fp8_scale = fp8_scale ? fp8_scale->data_ptr<float>() : nullptr;
   p.num_rows = k.P;
@@ -432,8 +451,8 @@ void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
     TORCH_CHECK(err == cudaSuccess, "arfuse: preparing ", k.instance->name,
                 " failed: ", cudaGetErrorString(err));
     p.prepare_only = 0;
-    std::vector<at::Tensor> keep = {expert_out, residual, gamma, norm_out, residual_out};
-    for (const auto* t : {&permuted_idx, &expert_weights, &shared_out, &fp8_scale}) {
+    std::vector<at::Tensor> keep = {expert_out, gamma, norm_out, residual_out};
+    for (const auto* t : {&permuted_idx, &expert_weights, &shared_out, &residual, &fp8_scale}) {
       if (t->has_value()) keep.push_back(**t);
     }
     t_pending.push_back(Pending{k.instance, p, stream, c.device, std::move(keep)});
@@ -471,16 +490,16 @@ int64_t flush_launches(bool do_launch) {
 std::tuple<at::Tensor, at::Tensor> fused(
     const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,
     const std::optional<at::Tensor>& expert_weights, const std::optional<at::Tensor>& shared_out,
-    const at::Tensor& residual, const at::Tensor& gamma, double eps, double weight_bias,
-    double routed_scaling, const std::optional<at::Tensor>& fp8_scale, int64_t comm,
-    int64_t algorithm) {
+    const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
+    double weight_bias, double routed_scaling, const std::optional<at::Tensor>& fp8_scale,
+    int64_t comm, int64_t algorithm) {
   const Comm& c = get_comm(comm);
   TORCH_CHECK_VALUE(c.device.is_cuda(), "arfuse: comm: a CPU communicator cannot run CUDA tensors");
   const Checked k = validate(c, expert_out, permuted_idx, expert_weights, shared_out, residual,
                              gamma, eps, weight_bias, fp8_scale, algorithm, /*check_device=*/true);
   const auto out_type = k.out == OutKind::kFP8Static ? at::kFloat8_e4m3fn : c.scalar;
-  at::Tensor norm_out = at::empty({k.T, k.H}, residual.options().dtype(out_type));
-  at::Tensor residual_out = at::empty({k.T, k.H}, residual.options());
+  at::Tensor norm_out = at::empty({k.T, k.H}, expert_out.options().dtype(out_type));
+  at::Tensor residual_out = at::empty({k.T, k.H}, expert_out.options());
   if (k.T == 0) return {norm_out, residual_out};
   launch(c, k, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
          weight_bias, routed_scaling, fp8_scale, norm_out, residual_out);
@@ -494,10 +513,11 @@ void fused_inplace(at::Tensor& input, at::Tensor& residual,
   TORCH_CHECK_VALUE(c.device.is_cuda(), "arfuse: comm: a CPU communicator cannot run CUDA tensors");
   TORCH_CHECK_VALUE(input.dim() == 2, "arfuse: input: in-place needs the plain layout [T, H], got ",
                     input.sizes());
-  const Checked k = validate(c, input, std::nullopt, std::nullopt, shared_out, residual, gamma, eps,
+  const std::optional<at::Tensor> res(residual);
+  const Checked k = validate(c, input, std::nullopt, std::nullopt, shared_out, res, gamma, eps,
                              weight_bias, std::nullopt, algorithm, /*check_device=*/true);
   if (k.T == 0) return;
-  launch(c, k, input, std::nullopt, std::nullopt, shared_out, residual, gamma, eps, weight_bias,
+  launch(c, k, input, std::nullopt, std::nullopt, shared_out, res, gamma, eps, weight_bias,
          routed_scaling, std::nullopt, input, residual);
 }
 

@@ -83,7 +83,9 @@ type OpKernel struct {
 }
 
 // dispatchKeys is the order of the TORCH_LIBRARY_IMPL blocks.
-var dispatchKeys = []string{"CUDA", "Meta"}
+// Fake (Meta) implementations are registered from Python (arfuse/_fake.py) with
+// torch.library.register_fake, so that torch.compile keeps the token count symbolic.
+var dispatchKeys = []string{"CUDA"}
 
 // opsNamespace is where the implementation functions live (csrc/arfuse/ops.h).
 const opsNamespace = "arfuse::ops"
@@ -96,12 +98,14 @@ var ops = []Op{
 	{Name: "comm_destroy", Signature: "(int comm) -> ()", CatchAll: "comm_destroy"},
 	{Name: "comm_status", Signature: "(int comm) -> int", CatchAll: "comm_status"},
 	{Name: "comm_info", Signature: "(int comm) -> int[]", CatchAll: "comm_info"},
-	{Name: "fused", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, Tensor? fp8_scale, int comm, int algorithm) -> (Tensor, Tensor)",
-		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused"}, {Key: "Meta", Fn: "fused_meta"}}},
+	{Name: "fused", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, Tensor? fp8_scale, int comm, int algorithm) -> (Tensor, Tensor)",
+		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused"}}},
 	{Name: "fused_inplace", Signature: "(Tensor(a!) input, Tensor(b!) residual, Tensor? shared_out, Tensor gamma, float eps, float weight_bias, float routed_scaling, int comm, int algorithm) -> ()",
-		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused_inplace"}, {Key: "Meta", Fn: "fused_inplace_meta"}}},
+		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused_inplace"}}},
 	{Name: "moe_finalize", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, float routed_scaling, int num_tokens) -> Tensor",
-		Kernels: []OpKernel{{Key: "CUDA", Fn: "moe_finalize"}, {Key: "Meta", Fn: "moe_finalize_meta"}}},
+		Kernels: []OpKernel{{Key: "CUDA", Fn: "moe_finalize"}}},
+	{Name: "validate", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, Tensor? fp8_scale, int comm, int algorithm) -> ()", CatchAll: "validate_fused"},
+	{Name: "validate_finalize", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, int num_tokens) -> ()", CatchAll: "validate_moe_finalize"},
 	{Name: "defer_launches", Signature: "(bool enable) -> ()", CatchAll: "defer_launches"},
 	{Name: "flush_launches", Signature: "(bool launch) -> int", CatchAll: "flush_launches"},
 	{Name: "supported_variants", Signature: "() -> str[]", CatchAll: "supported_variants"},

@@ -114,6 +114,33 @@ def test_cpu_world1_matches_float64_reference(lib, layout, dtype):
         assert (n.double() - ref_n).norm() / ref_n.norm() <= tol
 
 
+def test_fake_keeps_token_count_symbolic(lib, comm):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, r, g):
+        return torch.ops.arfuse.fused(x, None, None, None, r, g, 1e-6, 0.0, 1.0, None, comm.handle, 0)
+
+    gm = make_fx(f, tracing_mode="symbolic")(rand(5, H), rand(5, H), rand(H))
+    node = next(n for n in gm.graph.nodes if n.target is torch.ops.arfuse.fused.default)
+    norm_val = node.meta["val"][0]
+    assert isinstance(norm_val.shape[0], torch.SymInt), norm_val.shape
+    assert norm_val.shape[1] == H
+
+
+def test_no_residual(lib, comm):
+    T = 5
+    x = rand(T, H)
+    g = torch.rand(H) + 0.5
+    n, ro = arfuse.moe_finalize_allreduce_rmsnorm(comm, x, None, g, 1e-6, routed_scaling=2.0)
+    ref_n, ref_r = reference.fused_reference([{"expert_out": x}], None, g, 1e-6, routed_scaling=2.0)
+    assert torch.equal(ro, ref_r)
+    assert (n.double() - ref_n).norm() / ref_n.norm() <= 1e-2
+    m = torch.empty(T, H, dtype=torch.bfloat16, device="meta")
+    nm, rm = torch.ops.arfuse.fused(m, None, None, None, None, g.to("meta"), 1e-6, 0.0, 1.0, None,
+                                    comm.handle, 0)
+    assert nm.shape == (T, H) and rm.shape == (T, H)
+
+
 def test_cpu_inplace(lib, comm):
     T = 6
     x, res, g = rand(T, H), rand(T, H), rand(H)

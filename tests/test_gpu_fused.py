@@ -324,3 +324,26 @@ def test_mismatched_ranks_time_out_instead_of_hanging():
         assert torch.isnan(outs[0][0][3]).all(), "the token rank 1 never sent must be NaN"
         with pytest.raises(RuntimeError, match="communicator is broken"):
             arfuse.moe_finalize_allreduce_rmsnorm(group.comms[0], xs[0], xs[0], g, 1e-6)
+
+
+# ---- no residual (vLLM's first layer: all-reduce -> rms_norm) ------------------------------------
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("shape", [(8, 7168, "bf16"), (4, 2880, "fp16")],
+                         ids=lambda s: f"w{s[0]}-h{s[1]}-{s[2]}")
+def test_no_residual(groups, shape, algorithm):
+    from arfuse import reference
+
+    world, hidden, d = shape
+    dtype = DTYPES[d]
+    group = groups(world, hidden, dtype)
+    case = Case(world, hidden, dtype, 21, "plain", 1, None, True, 1.0, algorithm=algorithm)
+    ranks, _, gamma = make_inputs(case, group.device, new_seed())
+    outs = group.run(lambda rank, comm: arfuse.moe_finalize_allreduce_rmsnorm(
+        comm, ranks[rank]["expert_out"], None, gamma, case.eps,
+        shared_out=ranks[rank]["shared_out"], algorithm=algorithm))
+    torch.cuda.synchronize()
+    norm_ref, res_ref = reference.fused_reference(ranks, None, gamma, case.eps, acc=torch.float64)
+    for n, r in outs:
+        assert torch.equal(bits(n), bits(outs[0][0])) and torch.equal(bits(r), bits(outs[0][1]))
+    check_tensor(outs[0][1], res_ref, TOL[dtype], "residual_out without residual")
+    check_tensor(outs[0][0], norm_ref, TOL[dtype], "norm_out without residual")

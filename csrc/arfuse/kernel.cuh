@@ -269,7 +269,9 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
         const int v = geo.vec(i);
         if (v < 0) continue;
         const int64_t elem = static_cast<int64_t>(v) * kVec;
-        const uint4 res = ld_stream(static_cast<const T*>(p.residual) + t * H + elem);
+        const uint4 res = p.residual != nullptr
+                              ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
+                              : make_uint4(0, 0, 0, 0);
         float s[kVec], r[kVec];
         sum_ranks<Cfg>(p, geo, own + slot_off + static_cast<int64_t>(local) * N * H + elem, H,
                        waiter, s);
@@ -302,7 +304,9 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
       if (!valid || v < 0) continue;
       const int64_t elem = static_cast<int64_t>(v) * kVec;
       if constexpr (kOneShot) {
-        const uint4 res = ld_stream(static_cast<const T*>(p.residual) + t * H + elem);
+        const uint4 res = p.residual != nullptr
+                              ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
+                              : make_uint4(0, 0, 0, 0);
         float s[kVec], r[kVec];
         sum_ranks<Cfg>(p, geo, own + slot_off + static_cast<int64_t>(t) * N * H + elem, H, waiter,
                        s);

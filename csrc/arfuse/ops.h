@@ -1,5 +1,6 @@
 // arfuse: the torch op implementations that the generated registration (out/ops_registration.cpp)
-// binds to the schemas. Hand-written in csrc/ops.cpp (CUDA and catch-all) and csrc/meta.cpp (Meta).
+// binds to the schemas. Hand-written in csrc/ops.cpp (CUDA and catch-all) and csrc/validate.cpp;
+// the fake (Meta) implementations are Python (arfuse/_fake.py), so token counts stay symbolic.
 #pragma once
 
 #include <optional>
@@ -26,33 +27,28 @@ std::vector<int64_t> comm_info(int64_t comm);
 std::tuple<at::Tensor, at::Tensor> fused(
     const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,
     const std::optional<at::Tensor>& expert_weights, const std::optional<at::Tensor>& shared_out,
-    const at::Tensor& residual, const at::Tensor& gamma, double eps, double weight_bias,
-    double routed_scaling, const std::optional<at::Tensor>& fp8_scale, int64_t comm,
-    int64_t algorithm);
-std::tuple<at::Tensor, at::Tensor> fused_meta(
-    const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,
-    const std::optional<at::Tensor>& expert_weights, const std::optional<at::Tensor>& shared_out,
-    const at::Tensor& residual, const at::Tensor& gamma, double eps, double weight_bias,
-    double routed_scaling, const std::optional<at::Tensor>& fp8_scale, int64_t comm,
-    int64_t algorithm);
+    const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
+    double weight_bias, double routed_scaling, const std::optional<at::Tensor>& fp8_scale,
+    int64_t comm, int64_t algorithm);
 void fused_inplace(at::Tensor& input, at::Tensor& residual,
                    const std::optional<at::Tensor>& shared_out, const at::Tensor& gamma, double eps,
                    double weight_bias, double routed_scaling, int64_t comm, int64_t algorithm);
-void fused_inplace_meta(at::Tensor& input, at::Tensor& residual,
-                        const std::optional<at::Tensor>& shared_out, const at::Tensor& gamma,
-                        double eps, double weight_bias, double routed_scaling, int64_t comm,
-                        int64_t algorithm);
-
 // ---- the standalone finalize kernel (the unfused pipeline's first step) ----
 at::Tensor moe_finalize(const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,
                         const std::optional<at::Tensor>& expert_weights,
                         const std::optional<at::Tensor>& shared_out, double routed_scaling,
                         int64_t num_tokens);
-at::Tensor moe_finalize_meta(const at::Tensor& expert_out,
-                             const std::optional<at::Tensor>& permuted_idx,
-                             const std::optional<at::Tensor>& expert_weights,
-                             const std::optional<at::Tensor>& shared_out, double routed_scaling,
-                             int64_t num_tokens);
+// ---- validation alone (the CPU implementation of world size 1 runs it before computing) ----
+void validate_fused(const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,
+                    const std::optional<at::Tensor>& expert_weights,
+                    const std::optional<at::Tensor>& shared_out,
+                    const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
+                    double weight_bias, const std::optional<at::Tensor>& fp8_scale, int64_t comm,
+                    int64_t algorithm);
+void validate_moe_finalize(const at::Tensor& expert_out,
+                           const std::optional<at::Tensor>& permuted_idx,
+                           const std::optional<at::Tensor>& expert_weights,
+                           const std::optional<at::Tensor>& shared_out, int64_t num_tokens);
 
 // ---- deferred launches (emulated groups on one GPU) ----
 // While enabled on this thread, the fused ops validate, allocate and prepare (load the kernel,

@@ -1,4 +1,4 @@
-// arfuse: state and validation shared by the CUDA (csrc/ops.cpp) and Meta (csrc/meta.cpp) op
+// arfuse: state and validation shared by the CUDA (csrc/ops.cpp) and validation (csrc/validate.cpp) op
 // implementations. Not part of the generated interface.
 #pragma once
 
@@ -48,8 +48,9 @@ struct Checked {
 Checked validate(const Comm& c, const at::Tensor& expert_out,
                  const std::optional<at::Tensor>& permuted_idx,
                  const std::optional<at::Tensor>& expert_weights,
-                 const std::optional<at::Tensor>& shared_out, const at::Tensor& residual,
-                 const at::Tensor& gamma, double eps, double weight_bias,
+                 const std::optional<at::Tensor>& shared_out,
+                 const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
+                 double weight_bias,
                  const std::optional<at::Tensor>& fp8_scale, int64_t algorithm, bool check_device);
 
 struct FinalizeChecked {

@@ -43,7 +43,7 @@ struct LaunchParams {
   const int32_t* permuted_idx;  // [T, K] or nullptr
   const void* expert_weights;   // [T, K] or nullptr (weight 1)
   const void* shared_out;       // [T, H] or nullptr
-  const void* residual;         // [T, H]
+  const void* residual;         // [T, H], or nullptr (no residual add)
   const void* gamma;            // [H]
   const float* fp8_scale;       // [1] for OutKind::kFP8Static, else nullptr
   int64_t num_rows;             // P, rows of expert_out in the permuted layout (bounds check)

@@ -14,9 +14,11 @@ TORCH_LIBRARY(arfuse, m) {
   m.def("comm_destroy(int comm) -> ()", &arfuse::ops::comm_destroy);
   m.def("comm_status(int comm) -> int", &arfuse::ops::comm_status);
   m.def("comm_info(int comm) -> int[]", &arfuse::ops::comm_info);
-  m.def("fused(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, Tensor? fp8_scale, int comm, int algorithm) -> (Tensor, Tensor)");
+  m.def("fused(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, Tensor? fp8_scale, int comm, int algorithm) -> (Tensor, Tensor)");
   m.def("fused_inplace(Tensor(a!) input, Tensor(b!) residual, Tensor? shared_out, Tensor gamma, float eps, float weight_bias, float routed_scaling, int comm, int algorithm) -> ()");
   m.def("moe_finalize(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, float routed_scaling, int num_tokens) -> Tensor");
+  m.def("validate(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, Tensor? fp8_scale, int comm, int algorithm) -> ()", &arfuse::ops::validate_fused);
+  m.def("validate_finalize(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, int num_tokens) -> ()", &arfuse::ops::validate_moe_finalize);
   m.def("defer_launches(bool enable) -> ()", &arfuse::ops::defer_launches);
   m.def("flush_launches(bool launch) -> int", &arfuse::ops::flush_launches);
   m.def("supported_variants() -> str[]", &arfuse::ops::supported_variants);
@@ -28,10 +30,4 @@ TORCH_LIBRARY_IMPL(arfuse, CUDA, m) {
   m.impl("fused", &arfuse::ops::fused);
   m.impl("fused_inplace", &arfuse::ops::fused_inplace);
   m.impl("moe_finalize", &arfuse::ops::moe_finalize);
-}
-
-TORCH_LIBRARY_IMPL(arfuse, Meta, m) {
-  m.impl("fused", &arfuse::ops::fused_meta);
-  m.impl("fused_inplace", &arfuse::ops::fused_inplace_meta);
-  m.impl("moe_finalize", &arfuse::ops::moe_finalize_meta);
 }

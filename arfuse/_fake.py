@@ -1,0 +1,67 @@
+"""Fake (Meta) implementations of the ops, for torch.compile and meta tensors.
+
+Written in Python with torch.library.register_fake so that the token count stays symbolic under
+dynamic shapes (vLLM compiles one graph for a range of token counts). They check what is fixed at
+trace time — ranks of tensors, dtypes, the hidden size against the communicator — with
+torch._check, and leave the rest (device placement, capacity) to the real op, which validates
+everything before it launches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_registered = False
+
+
+def _comm_dtype_hidden(comm: int):
+    info = torch.ops.arfuse.comm_info(comm)
+    return _DTYPES[info[3]], info[2]
+
+
+def _shape(expert_out, permuted_idx, residual):
+    if residual is not None:
+        torch._check(residual.dim() == 2, lambda: f"arfuse: residual: want [T, H], got {residual.shape}")
+        return residual.shape[0], residual.shape[1]
+    if permuted_idx is not None:
+        return permuted_idx.shape[0], expert_out.shape[-1]
+    return expert_out.shape[0], expert_out.shape[-1]
+
+
+def fused_fake(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
+               weight_bias, routed_scaling, fp8_scale, comm, algorithm):
+    dtype, hidden = _comm_dtype_hidden(comm)
+    T, H = _shape(expert_out, permuted_idx, residual)
+    torch._check(expert_out.dtype == dtype,
+                 lambda: f"arfuse: expert_out: dtype {expert_out.dtype} does not match the communicator's {dtype}")
+    torch._check(expert_out.dim() in (2, 3), lambda: f"arfuse: expert_out: want 2 or 3 dims, got {expert_out.dim()}")
+    torch._check(H == hidden, lambda: f"arfuse: hidden size {H} does not match the communicator's {hidden}")
+    out_dtype = torch.float8_e4m3fn if fp8_scale is not None else dtype
+    return (expert_out.new_empty((T, H), dtype=out_dtype), expert_out.new_empty((T, H), dtype=dtype))
+
+
+def fused_inplace_fake(input, residual, shared_out, gamma, eps, weight_bias, routed_scaling, comm,
+                       algorithm):
+    dtype, hidden = _comm_dtype_hidden(comm)
+    torch._check(input.dim() == 2, lambda: "arfuse: input: in-place needs the plain layout [T, H]")
+    torch._check(input.dtype == dtype and residual.dtype == dtype,
+                 lambda: f"arfuse: input/residual: dtype must be the communicator's {dtype}")
+    torch._check(input.shape[-1] == hidden,
+                 lambda: f"arfuse: hidden size {input.shape[-1]} does not match the communicator's {hidden}")
+    return None
+
+
+def moe_finalize_fake(expert_out, permuted_idx, expert_weights, shared_out, routed_scaling,
+                      num_tokens):
+    return expert_out.new_empty((num_tokens, expert_out.shape[-1]))
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    torch.library.register_fake("arfuse::fused", fused_fake)
+    torch.library.register_fake("arfuse::fused_inplace", fused_inplace_fake)
+    torch.library.register_fake("arfuse::moe_finalize", moe_finalize_fake)
+    _registered = True
