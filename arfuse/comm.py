@@ -44,10 +44,24 @@ class Communicator:
             -1 if oneshot_max_tokens is None else oneshot_max_tokens, 1, device, timeout_s)
         try:
             if world > 1:
-                mine = torch.ops.arfuse.comm_ipc_handle(handle).tolist()
+                # Peers write into each other's buffers at offsets computed from their own
+                # settings: every rank must have the same ones (else out-of-bounds writes).
+                info = torch.ops.arfuse.comm_info(handle)
+                settings = {"world_size": info[1], "hidden": info[2], "dtype": info[3],
+                            "max_tokens": info[4], "oneshot_max_tokens": info[5],
+                            "slot_elems": info[9]}
+                mine = (settings, torch.ops.arfuse.comm_ipc_handle(handle).tolist())
                 gathered: list = [None] * world
                 dist.all_gather_object(gathered, mine, group=group)
-                torch.ops.arfuse.comm_open_peers(handle, torch.tensor(gathered, dtype=torch.uint8))
+                for peer, (theirs, _) in enumerate(gathered):
+                    for key, value in settings.items():
+                        if theirs[key] != value:
+                            raise ValueError(
+                                f"arfuse: Communicator: rank {peer} was created with {key}="
+                                f"{theirs[key]}, rank {rank} with {value}: every rank of the group "
+                                "must pass the same max_tokens, hidden, dtype and oneshot_max_tokens")
+                handles = [h for _, h in gathered]
+                torch.ops.arfuse.comm_open_peers(handle, torch.tensor(handles, dtype=torch.uint8))
                 # Every rank has opened every peer before anyone launches into them.
                 dist.barrier(group=group)
         except BaseException:

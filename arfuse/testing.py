@@ -87,10 +87,12 @@ class LocalGroup:
                     results.append(fn(rank, comm))
             launch = True
         finally:
-            torch.ops.arfuse.defer_launches(False)
-            torch.ops.arfuse.flush_launches(launch)
-            for stream in self.streams:
-                current.wait_stream(stream)
+            try:
+                torch.ops.arfuse.defer_launches(False)
+                torch.ops.arfuse.flush_launches(launch)
+            finally:
+                for stream in self.streams:
+                    current.wait_stream(stream)
         return results
 
     def status(self) -> list[int]:

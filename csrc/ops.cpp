@@ -199,6 +199,14 @@ void comm_set_local_peers(int64_t comm, at::IntArrayRef comms) {
 }
 
 void comm_destroy(int64_t comm) {
+  if (!t_pending.empty()) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_comms.find(comm);
+    for (const Pending& q : t_pending) {
+      TORCH_CHECK(it == g_comms.end() || q.params.ctrl != it->second->ctrl, "arfuse: comm: ",
+                  comm, " has deferred launches still queued (flush_launches first)");
+    }
+  }
   std::unique_ptr<Comm> c;
   {
     std::lock_guard<std::mutex> lock(g_mu);
@@ -374,7 +382,9 @@ Checked validate(const Comm& c, const at::Tensor& expert_out,
     k.out = OutKind::kFP8Static;
   }
 
-  // Algorithm and instance, decided before anything is launched.
+  // Algorithm and instance, decided before anything is launched. A CPU communicator (world
+  // size 1, arfuse/_cpu.py) launches no kernel: nothing more to decide.
+  if (!c.device.is_cuda()) return k;
   Algo algo = static_cast<Algo>(algorithm);
   const int H = static_cast<int>(k.H);
   std::string why;
@@ -444,6 +454,8 @@ void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
   p.timeout_ns = c.timeout_ns;
   const c10::cuda::CUDAGuard guard(c.device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(c.device.index()).stream();
+  TORCH_CHECK(t_defer || t_pending.empty(), "arfuse: ", t_pending.size(),
+              " deferred launches are still queued on this thread: flush_launches first");
   if (t_defer) {
     // Load the kernel and size the grid now, so that flushing issues nothing but launches.
     p.prepare_only = 1;
@@ -534,6 +546,12 @@ at::Tensor moe_finalize(const at::Tensor& expert_out, const std::optional<at::Te
                       " but expert_out is on ", expert_out.device());
   };
   TORCH_CHECK_VALUE(expert_out.is_cuda(), "arfuse: expert_out: must be a CUDA tensor");
+  auto aligned = [](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 || t.numel() == 0,
+                      "arfuse: ", name, ": data must be 16-byte aligned (a view at an odd offset?)");
+  };
+  aligned(expert_out, "expert_out");
+  if (shared_out) aligned(*shared_out, "shared_out");
   if (permuted_idx) dev_check(*permuted_idx, "permuted_idx");
   if (expert_weights) dev_check(*expert_weights, "expert_weights");
   if (shared_out) dev_check(*shared_out, "shared_out");
@@ -564,7 +582,8 @@ FinalizeChecked validate_finalize(const at::Tensor& expert_out,
   FinalizeChecked k;
   k.dtype = to_dtype(expert_out.scalar_type(), "expert_out");
   TORCH_CHECK_VALUE(expert_out.is_contiguous(), "arfuse: expert_out: must be contiguous");
-  TORCH_CHECK_VALUE(num_tokens >= 0, "arfuse: num_tokens: ", num_tokens, " must be >= 0");
+  TORCH_CHECK_VALUE(num_tokens >= 0 && num_tokens <= (1 << 24), "arfuse: num_tokens: ",
+                    num_tokens, " must be 0..16777216");
   k.T = num_tokens;
   if (permuted_idx) {
     TORCH_CHECK_VALUE(expert_out.dim() == 2, "arfuse: expert_out: with permuted_idx want [P, H], got ",

@@ -170,6 +170,7 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 struct Waiter {
   uint64_t start = 0;
   bool gave_up = false;
+  uint32_t* ctrl_error = nullptr;  // the communicator's device-side error word
 
   template <typename T>
   __device__ __forceinline__ uint4 wait(const void* addr, const LaunchParams& p, int peer) {
@@ -181,6 +182,9 @@ struct Waiter {
         start = now;
       } else if (now - start > static_cast<uint64_t>(p.timeout_ns)) {
         gave_up = true;
+        if (ctrl_error != nullptr) {
+          *reinterpret_cast<volatile uint32_t*>(ctrl_error) = 1u + static_cast<uint32_t>(peer);
+        }
         if (p.error_flag != nullptr) {
           *reinterpret_cast<volatile uint32_t*>(p.error_flag) = 1u + static_cast<uint32_t>(peer);
           __threadfence_system();
@@ -189,6 +193,7 @@ struct Waiter {
       }
       v = ld_poll(addr);
     }
+    start = 0;  // the clock measures one wait, not the whole call
     return v;
   }
 };

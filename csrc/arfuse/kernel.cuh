@@ -207,8 +207,8 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
   const int rank = p.rank;
 
   // ---- epoch, slots, clearing of the previous call's slot ----
-  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch);
-  const int slot = static_cast<int>(epoch % kNumSlots);
+  const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch) % kNumSlots;
+  const int slot = static_cast<int>(epoch);
   const int clear_slot = static_cast<int>((epoch + 2) % kNumSlots);
   const int64_t slot_off = static_cast<int64_t>(slot) * p.slot_elems;
   T* const own = static_cast<T*>(p.buffers[rank]);
@@ -226,6 +226,10 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
   const int per = (T_ + N - 1) / N;                        // two-shot: tokens per owner
   const int64_t gather_off = static_cast<int64_t>(per) * N * H;  // two-shot: gather area
   Waiter waiter;
+  waiter.ctrl_error = &p.ctrl->error;
+  // A communicator that timed out before is broken: no waits, NaN outputs (the host refuses
+  // new calls; this covers calls that were already queued when it happened).
+  if (*reinterpret_cast<volatile uint32_t*>(&p.ctrl->error) != 0) waiter.gave_up = true;
 
   // ---- phase 1: finalize every token and push the partial row ----
   for (int chunk = geo.cluster_id; chunk * Cfg::kTpb < T_; chunk += geo.num_clusters) {
@@ -340,7 +344,7 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
       p.ctrl->arrived = 0;
       *reinterpret_cast<volatile uint64_t*>(&p.ctrl->used[slot]) = used;
       __threadfence();
-      *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch) = epoch + 1;
+      *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch) = (epoch + 1) % kNumSlots;
     }
   }
 }

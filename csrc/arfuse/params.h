@@ -10,7 +10,7 @@ namespace arfuse {
 
 // Bumped whenever LaunchParams, the kernel template's parameters or the launcher signature change.
 // Every generated file static_asserts on it, so stale generated output stops compiling.
-#define ARFUSE_DEVICE_API_VERSION 4
+#define ARFUSE_DEVICE_API_VERSION 5
 
 constexpr int kMaxWorld = 16;   // largest tensor-parallel group a communicator serves
 constexpr int kMaxTopK = 64;    // largest K (experts per token) accepted by the op
@@ -32,9 +32,13 @@ enum class Layout : int32_t {
 
 // Per-rank control block in device memory (one per communicator).
 struct Ctrl {
-  uint32_t epoch;            // number of completed calls; slot = epoch % 3
+  uint32_t epoch;            // slot of the next call: (completed calls) mod 3, kept in 0..2 so it
+                             // never wraps onto a slot that was not cleared
   uint32_t arrived;          // blocks of the current call that have finished
   uint64_t used[kNumSlots];  // elements of each slot written by the call that last used it
+  uint32_t error;            // device copy of the error word: once set, every later call skips
+                             // its waits and writes NaN (a late peer write cannot pass as data)
+  uint32_t pad;
 };
 
 struct LaunchParams {
