@@ -475,25 +475,22 @@ def symbolic_tokens_supported(handle: int, hidden: int, dtype: torch.dtype) -> b
     the pass replaces patterns with a symbolic T only when this probe says the op traces
     symbolically; with a concrete T (vLLM's compile_sizes) it always can.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import (
-        DimDynamic,
-        ShapeEnv,
-        StatelessSymbolicContext,
-    )
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def probe(x, residual, gamma):
+        return torch.ops.arfuse.fused.default(
+            x, None, None, None, residual, gamma, 1e-6, 0.0, 1.0, None, handle, 0
+        )
 
     try:
-        shape_env = ShapeEnv()
-        with FakeTensorMode(shape_env=shape_env) as mode:
-            ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
-            x = mode.from_tensor(torch.empty(3, hidden, dtype=dtype), symbolic_context=ctx)
-            residual = torch.empty_like(x)
-            gamma = torch.empty(hidden, dtype=dtype)
-            norm, _ = torch.ops.arfuse.fused.default(
-                x, None, None, None, residual, gamma, 1e-6, 0.0, 1.0, None, handle, 0
-            )
-            t = norm.shape[0]
-            return isinstance(t, torch.SymInt) and bool(t.node.expr.free_symbols)
+        gm = make_fx(probe, tracing_mode="symbolic")(
+            torch.empty(3, hidden, dtype=dtype),
+            torch.empty(3, hidden, dtype=dtype),
+            torch.empty(hidden, dtype=dtype),
+        )
+        node = next(n for n in gm.graph.nodes if n.target is torch.ops.arfuse.fused.default)
+        t = node.meta["val"][0].shape[0]
+        return isinstance(t, torch.SymInt) and bool(t.node.expr.free_symbols)
     except Exception as e:  # any failure to trace symbolically counts as "no"
         logger.debug("arfuse: symbolic trace probe failed: %s", e)
         return False
