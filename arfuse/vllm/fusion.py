@@ -475,6 +475,7 @@ def symbolic_tokens_supported(handle: int, hidden: int, dtype: torch.dtype) -> b
     the pass replaces patterns with a symbolic T only when this probe says the op traces
     symbolically; with a concrete T (vLLM's compile_sizes) it always can.
     """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def probe(x, residual, gamma):
@@ -483,11 +484,14 @@ def symbolic_tokens_supported(handle: int, hidden: int, dtype: torch.dtype) -> b
         )
 
     try:
-        gm = make_fx(probe, tracing_mode="symbolic")(
-            torch.empty(3, hidden, dtype=dtype),
-            torch.empty(3, hidden, dtype=dtype),
-            torch.empty(hidden, dtype=dtype),
-        )
+        # The pass runs inside vLLM's compilation, under its fake mode (static shapes): trace the
+        # probe outside it, with a shape environment of its own.
+        with unset_fake_temporarily():
+            gm = make_fx(probe, tracing_mode="symbolic")(
+                torch.empty(3, hidden, dtype=dtype),
+                torch.empty(3, hidden, dtype=dtype),
+                torch.empty(hidden, dtype=dtype),
+            )
         node = next(n for n in gm.graph.nodes if n.target is torch.ops.arfuse.fused.default)
         t = node.meta["val"][0].shape[0]
         return isinstance(t, torch.SymInt) and bool(t.node.expr.free_symbols)
