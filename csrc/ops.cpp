@@ -250,14 +250,41 @@ std::vector<int64_t> comm_info(int64_t comm) {
 // ---------------------------------------------------------------------------------------------
 namespace {
 
+void check_aligned(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 || t.numel() == 0,
+                    "arfuse: ", name, ": data must be 16-byte aligned (a view at an odd offset?)");
+}
+
 void check_tensor(const at::Tensor& t, const char* name, const Comm& c, bool check_device) {
   TORCH_CHECK_VALUE(t.is_contiguous(), "arfuse: ", name, ": must be contiguous");
   if (check_device) {
     TORCH_CHECK_VALUE(t.device() == c.device, "arfuse: ", name, ": is on ", t.device(),
                       " but the communicator is on ", c.device);
-    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 || t.numel() == 0,
-                      "arfuse: ", name, ": data must be 16-byte aligned (a view at an odd offset?)");
+    check_aligned(t, name);
   }
+}
+
+// The finalize inputs of LaunchParams, shared by the fused op and the standalone finalize
+// (Checked and FinalizeChecked both carry T, H, K, P, layout and weights_f32).
+template <class K>
+LaunchParams finalize_params(const K& k, const at::Tensor& expert_out,
+                             const std::optional<at::Tensor>& permuted_idx,
+                             const std::optional<at::Tensor>& expert_weights,
+                             const std::optional<at::Tensor>& shared_out, double routed_scaling) {
+  LaunchParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.expert_out = expert_out.data_ptr();
+  p.permuted_idx = permuted_idx ? permuted_idx->data_ptr<int32_t>() : nullptr;
+  p.expert_weights = expert_weights ? expert_weights->data_ptr() : nullptr;
+  p.shared_out = shared_out ? shared_out->data_ptr() : nullptr;
+  p.num_rows = k.P;
+  p.layout = static_cast<int32_t>(k.layout);
+  p.weights_f32 = k.weights_f32 ? 1 : 0;
+  p.num_tokens = static_cast<int32_t>(k.T);
+  p.top_k = static_cast<int32_t>(k.K);
+  p.hidden = static_cast<int32_t>(k.H);
+  p.routed_scaling = static_cast<float>(routed_scaling);
+  return p;
 }
 
 void check_act(const at::Tensor& t, const char* name, const Comm& c) {
@@ -422,27 +449,16 @@ void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
               "waiting for rank ", err_word - 1, " after ", c.timeout_ns / 1000000,
               " ms (ranks called with different token counts, or a rank died); close it and "
               "create a new one");
-  LaunchParams p;
-  std::memset(&p, 0, sizeof(p));
-  p.expert_out = expert_out.data_ptr();
-  p.permuted_idx = permuted_idx ? permuted_idx->data_ptr<int32_t>() : nullptr;
-  p.expert_weights = expert_weights ? expert_weights->data_ptr() : nullptr;
-  p.shared_out = shared_out ? shared_out->data_ptr() : nullptr;
+  LaunchParams p =
+      finalize_params(k, expert_out, permuted_idx, expert_weights, shared_out, routed_scaling);
   p.residual = residual ? residual->data_ptr() : nullptr;
   p.gamma = gamma.data_ptr();
   p.fp8_scale = fp8_scale ? fp8_scale->data_ptr<float>() : nullptr;
-  p.num_rows = k.P;
-  p.layout = static_cast<int32_t>(k.layout);
-  p.weights_f32 = k.weights_f32 ? 1 : 0;
   p.gamma_f32 = k.gamma_f32 ? 1 : 0;
-  p.num_tokens = static_cast<int32_t>(k.T);
-  p.top_k = static_cast<int32_t>(k.K);
-  p.hidden = static_cast<int32_t>(k.H);
   p.world_size = c.world;
   p.rank = c.rank;
   p.eps = static_cast<float>(eps);
   p.weight_bias = static_cast<float>(weight_bias);
-  p.routed_scaling = static_cast<float>(routed_scaling);
   p.norm_out = norm_out.data_ptr();
   p.residual_out = residual_out.data_ptr();
   for (int n = 0; n < kMaxWorld; ++n) p.buffers[n] = c.peers[n];
@@ -546,28 +562,13 @@ at::Tensor moe_finalize(const at::Tensor& expert_out, const std::optional<at::Te
                       " but expert_out is on ", expert_out.device());
   };
   TORCH_CHECK_VALUE(expert_out.is_cuda(), "arfuse: expert_out: must be a CUDA tensor");
-  auto aligned = [](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 || t.numel() == 0,
-                      "arfuse: ", name, ": data must be 16-byte aligned (a view at an odd offset?)");
-  };
-  aligned(expert_out, "expert_out");
-  if (shared_out) aligned(*shared_out, "shared_out");
+  check_aligned(expert_out, "expert_out");
+  if (shared_out) check_aligned(*shared_out, "shared_out");
   if (permuted_idx) dev_check(*permuted_idx, "permuted_idx");
   if (expert_weights) dev_check(*expert_weights, "expert_weights");
   if (shared_out) dev_check(*shared_out, "shared_out");
-  LaunchParams p;
-  std::memset(&p, 0, sizeof(p));
-  p.expert_out = expert_out.data_ptr();
-  p.permuted_idx = permuted_idx ? permuted_idx->data_ptr<int32_t>() : nullptr;
-  p.expert_weights = expert_weights ? expert_weights->data_ptr() : nullptr;
-  p.shared_out = shared_out ? shared_out->data_ptr() : nullptr;
-  p.num_rows = k.P;
-  p.layout = static_cast<int32_t>(k.layout);
-  p.weights_f32 = k.weights_f32 ? 1 : 0;
-  p.num_tokens = static_cast<int32_t>(k.T);
-  p.top_k = static_cast<int32_t>(k.K);
-  p.hidden = static_cast<int32_t>(k.H);
-  p.routed_scaling = static_cast<float>(routed_scaling);
+  LaunchParams p =
+      finalize_params(k, expert_out, permuted_idx, expert_weights, shared_out, routed_scaling);
   p.norm_out = out.data_ptr();
   const c10::cuda::CUDAGuard guard(expert_out.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(expert_out.device().index()).stream();
