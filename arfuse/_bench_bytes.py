@@ -23,7 +23,7 @@ One-shot (every rank pushes its partial rows to every peer, each rank sums all N
     oneshot = F_in
             + N*T*H*e     partial written to the N ranks' buffers (own buffer included)
             + N*T*H*e     the N partials read back from this rank's buffer
-            + N*T*H*e     clearing writes (Lamport: the slot used two calls ago is reset)
+            + N*T*H*e     resets to the sentinel (each vector right after it is read)
             + T*H*e       residual read
             + H*g         gamma read
             + 2*T*H*e     residual_out and norm_out written
@@ -40,7 +40,7 @@ ceil(T/N) tokens (the last ranks fewer); the terms marked (avg) are exact averag
             + (T/N)*H*e           owner reads the residual of its rows            (avg)
             + N*(T/N)*H*e         gather: owner writes its residual_out rows to N ranks (avg)
             + T*H*e               gather reads: every rank reads all T rows
-            + (ceil(T/N)*N + T)*H*e   clearing writes (the slot's scatter area + gather area)
+            + (ceil(T/N)*N + T)*H*e   resets to the sentinel after reading (scatter + gather area)
             + H*g                 gamma read
             + 2*T*H*e             residual_out and norm_out written
           ~ F_in + 7*T*H*e + (T/N)*H*e + H*g

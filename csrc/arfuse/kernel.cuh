@@ -161,10 +161,12 @@ __device__ __forceinline__ void write_norm(const LaunchParams& p, const Geometry
   }
 }
 
-// Sums the N partial vectors at base + n * stride (n in rank order) once every one has arrived.
+// Sums the N partial vectors at base + n * stride (n in rank order) once every one has arrived,
+// and resets each to the sentinel right after reading it: this rank is the only reader of its
+// own buffer, so the slot is clean again when the call ends (see docs/design.md).
 template <class Cfg>
 __device__ __forceinline__ void sum_ranks(const LaunchParams& p, const Geometry<Cfg>& geo,
-                                          const typename Cfg::T* base, int64_t stride,
+                                          typename Cfg::T* base, int64_t stride,
                                           Waiter& waiter, float (&s)[Cfg::kVec]) {
   using T = typename Cfg::T;
   constexpr int kB = Cfg::kRankBatch;
@@ -180,6 +182,7 @@ __device__ __forceinline__ void sum_ranks(const LaunchParams& p, const Geometry<
     for (int b = 0; b < kB; ++b) {
       if (n0 + b < geo.N) {
         if (has_sentinel<T>(x[b])) x[b] = waiter.wait<T>(base + (n0 + b) * stride, p, n0 + b);
+        st_vec(base + (n0 + b) * stride, sentinel_vec(sentinel_word<T>()));
         float f[Cfg::kVec];
         unpack<T>(x[b], f);
 #pragma unroll
@@ -206,22 +209,12 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
   const int T_ = geo.T;
   const int rank = p.rank;
 
-  // ---- epoch, slots, clearing of the previous call's slot ----
+  // ---- epoch and slot (every slot is all-sentinel at the start of a call: each element is
+  // reset by its reader right after it is read) ----
   const uint32_t epoch = *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch) % kNumSlots;
   const int slot = static_cast<int>(epoch);
-  const int clear_slot = static_cast<int>((epoch + 2) % kNumSlots);
   const int64_t slot_off = static_cast<int64_t>(slot) * p.slot_elems;
   T* const own = static_cast<T*>(p.buffers[rank]);
-  {
-    const uint64_t used = *reinterpret_cast<volatile uint64_t*>(&p.ctrl->used[clear_slot]);
-    uint4* clear = reinterpret_cast<uint4*>(own + static_cast<int64_t>(clear_slot) * p.slot_elems);
-    const uint4 s = sentinel_vec(sentinel_word<T>());
-    const int64_t nvecs = static_cast<int64_t>(used) / kVec;
-    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < nvecs;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      st_vec(clear + i, s);
-    }
-  }
 
   const int per = (T_ + N - 1) / N;                        // two-shot: tokens per owner
   const int64_t gather_off = static_cast<int64_t>(per) * N * H;  // two-shot: gather area
@@ -319,8 +312,9 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
         for (int j = 0; j < kVec; ++j) s[j] += r[j];
         rv[i] = canonical<T>(pack<T>(s));
       } else {
-        rv[i] = waiter.wait<T>(own + slot_off + gather_off + static_cast<int64_t>(t) * H + elem, p,
-                               t / per);
+        T* const row = own + slot_off + gather_off + static_cast<int64_t>(t) * H + elem;
+        rv[i] = waiter.wait<T>(row, p, t / per);
+        st_vec(row, sentinel_vec(sentinel_word<T>()));
       }
       if (waiter.gave_up) rv[i] = nan_vec<T>();
       st_vec(static_cast<T*>(p.residual_out) + static_cast<int64_t>(t) * H + elem, rv[i]);
@@ -333,16 +327,13 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
     write_norm<Cfg>(p, geo, t, rv, total, valid);
   }
 
-  // ---- completion: the last block to finish publishes the slot's size and advances the epoch ----
+  // ---- completion: the last block to finish advances the epoch ----
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     const unsigned prev = atomicAdd(&p.ctrl->arrived, 1u);
     if (prev == gridDim.x - 1) {
-      const uint64_t used = kOneShot ? static_cast<uint64_t>(T_) * N * H
-                                     : static_cast<uint64_t>(gather_off) + static_cast<uint64_t>(T_) * H;
       p.ctrl->arrived = 0;
-      *reinterpret_cast<volatile uint64_t*>(&p.ctrl->used[slot]) = used;
       __threadfence();
       *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch) = (epoch + 1) % kNumSlots;
     }
