@@ -11,6 +11,9 @@ import os
 import threading
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+# The device API version (ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h) this Python code
+# speaks; a library whose manifest says otherwise is stale (rebuild with make).
+API_VERSION = 6
 _lock = threading.Lock()
 _loaded: str | None = None
 _error: str | None = None
@@ -37,6 +40,11 @@ def load() -> bool:
         if not os.path.exists(path):
             _error = f"{path} does not exist: build it with `make` (or set ARFUSE_LIBRARY)"
             return False
+        built_for = _manifest_api_version()
+        if built_for is not None and built_for != API_VERSION:
+            _error = (f"{path} was built for device API version {built_for}, this package "
+                      f"speaks {API_VERSION}: rebuild it with `make`")
+            return False
         import torch
 
         try:
@@ -44,13 +52,27 @@ def load() -> bool:
         except OSError as e:  # a broken or foreign build: say so instead of failing on first use
             _error = f"loading {path} failed: {e}"
             return False
+        try:
+            from . import _cpu, _fake
+
+            _fake.register()
+            _cpu.register()
+        except RuntimeError as e:  # e.g. a foreign build that registers its own Meta kernels
+            _error = f"{path} does not match this package ({e}): rebuild it with `make`"
+            return False
         _loaded = path
         _error = None
-    from . import _cpu, _fake
-
-    _fake.register()
-    _cpu.register()
     return True
+
+
+def _manifest_api_version():
+    import json
+
+    try:
+        with open(manifest_path()) as f:
+            return int(json.load(f)["api_version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def is_built() -> bool:

@@ -263,3 +263,15 @@ def test_manifest_plans_are_consistent(manifest):
         assert p["slice"] * p["cluster"] == p["nvec"]
         assert p["threads_per_token"] * p["vecs_per_thread"] >= p["slice"]
         json.dumps(inst)
+
+
+def test_python_speaks_the_headers_api_version():
+    import os
+    import re
+
+    from arfuse import _lib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "csrc", "arfuse", "params.h")) as f:
+        m = re.search(r"#define ARFUSE_DEVICE_API_VERSION (\d+)", f.read())
+    assert m and int(m.group(1)) == _lib.API_VERSION
