@@ -119,6 +119,7 @@ def _plan(vllm_config: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         dtype=dtype,
         oneshot_max_tokens=oneshot,
         device=tp.device,
+        timeout_s=float(s.timeout_s),
     )
     return key, kwargs
 

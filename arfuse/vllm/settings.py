@@ -15,6 +15,12 @@ ENABLE_ENV = "ARFUSE_VLLM"
 MAX_TOKENS_ENV = "ARFUSE_VLLM_MAX_TOKENS"
 ONESHOT_MAX_TOKENS_ENV = "ARFUSE_VLLM_ONESHOT_MAX_TOKENS"
 ALGORITHM_ENV = "ARFUSE_VLLM_ALGORITHM"
+TIMEOUT_ENV = "ARFUSE_VLLM_TIMEOUT_S"
+# How long a rank's kernel waits for its peers before giving up (the communicator then reports
+# itself broken). Generous by default: in a deployment the ranks reach their first fused call at
+# different times (one rank may still be compiling or capturing CUDA graphs), and a wait that
+# gives up too early breaks the communicator; arfuse's own default (10 s) suits tests.
+DEFAULT_TIMEOUT_S = 600
 
 # The `algorithm` argument of torch.ops.arfuse.fused.
 ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2}
@@ -33,6 +39,7 @@ class Settings:
     # The communicator's one-shot capacity (None: arfuse's default).
     oneshot_max_tokens: int | None
     algorithm: str
+    timeout_s: int = DEFAULT_TIMEOUT_S
 
     @property
     def algorithm_code(self) -> int:
@@ -74,6 +81,7 @@ def from_env() -> Settings:
         max_tokens=_positive_int(MAX_TOKENS_ENV),
         oneshot_max_tokens=_positive_int(ONESHOT_MAX_TOKENS_ENV),
         algorithm=algorithm,
+        timeout_s=_positive_int(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S,
     )
 
 
