@@ -7,8 +7,9 @@
 # Prepare here (Go is not on the GPU machine): go run ./gen --matrix ci --out build/ci/out and
 # go run ./gen --out out, then run with carry ["build/ci/out", "out"]:
 #   scripts/gpu-session.sh $OUT
-# Results under OUTDIR: gpu.txt, build.log, pytest.log, validation.json, sanitizer-*.log and one
-# bench-<model>-w<N>/ folder per benchmark run (CSV, markdown, PNG, JSON).
+# Results under OUTDIR (the device tool returns at most 8 files): gpu.txt, build.log, pytest.log,
+# validation.json, sanitizer-memcheck.log, sanitizer-racecheck.log and bench.tgz (one
+# bench-<model>-w<N>/ folder per benchmark run: CSV, markdown, PNG, JSON, log; build-default.log).
 set -uo pipefail
 out=${1:?usage: scripts/gpu-session.sh OUTDIR}
 mkdir -p "$out"
@@ -23,8 +24,9 @@ for tool in memcheck racecheck; do
   echo "sanitizer $tool: rc=$? $(tail -n 1 "$out/sanitizer-$tool.log")"
 done
 
-make lib SKIP_GEN=1 PYTHON=python3 NVCC=${NVCC:-nvcc} JOBS=$(nproc) >"$out/build-default.log" 2>&1 \
-  || { echo "default build failed"; tail -n 30 "$out/build-default.log"; exit 1; }
+bench=build/bench; rm -rf "$bench"; mkdir -p "$bench"
+make lib SKIP_GEN=1 PYTHON=python3 NVCC=${NVCC:-nvcc} JOBS=$(nproc) >"$bench/build-default.log" 2>&1 \
+  || { echo "default build failed"; tail -n 30 "$bench/build-default.log"; exit 1; }
 export ARFUSE_LIBRARY=$PWD/arfuse/_lib/libarfuse_ops.so ARFUSE_MANIFEST=$PWD/out/manifest.json
 budget=${BENCH_BUDGET_S:-300}
 for model in ${BENCH_MODELS:-deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b gpt-oss-120b}; do
@@ -32,9 +34,10 @@ for model in ${BENCH_MODELS:-deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b gpt-oss-1
     left=$(( budget - ($(date +%s) - start) + ${GPU_CHECK_ALLOWANCE_S:-240} ))
     [ "$left" -gt 30 ] || { echo "bench budget spent before $model w$n"; break 2; }
     timeout "$left" python3 -m arfuse.bench --emulate --model "$model" --world-size "$n" \
-      --dtype bf16 --layout permuted --replays 50 --out "$out/bench-$model-w$n" \
-      >"$out/bench-$model-w$n.log" 2>&1
-    echo "bench $model w$n: rc=$? $(tail -n 1 "$out/bench-$model-w$n.log")"
+      --dtype bf16 --layout permuted --replays 50 --out "$bench/bench-$model-w$n" \
+      >"$bench/bench-$model-w$n.log" 2>&1
+    echo "bench $model w$n: rc=$? $(tail -n 1 "$bench/bench-$model-w$n.log")"
   done
 done
+tar czf "$out/bench.tgz" -C build bench
 echo "gpu-session: $(( $(date +%s) - start )) s"
