@@ -124,7 +124,7 @@ CI_OUT   := build/ci/out
 CI_LIB   := build/ci/lib
 
 test: test-go check-generated vllm-env
-	@$(MAKE) --no-print-directory lib MATRIX=ci OUT=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN) -j$(JOBS)
+	@$(MAKE) --no-print-directory lib MATRIX=ci OUT=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN)
 	@$(MAKE) --no-print-directory test-python
 
 test-go:
@@ -146,7 +146,7 @@ test-python: env
 
 # The GPU suite alone (on the GPU machine): make test-gpu PYTHON=python3 SKIP_GEN=1 NVCC=nvcc
 test-gpu:
-	@$(MAKE) --no-print-directory lib MATRIX=ci OUT=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN) -j$(JOBS)
+	@$(MAKE) --no-print-directory lib MATRIX=ci OUT=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN)
 	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
 	  $(PYTHON) -m pytest -q -ra tests -m gpu
 
