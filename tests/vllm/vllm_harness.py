@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import socket
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,7 +268,8 @@ def _runner_class() -> type:
         self.layer_name = name
         self.top_k = top_k
         self.renormalize = renormalize
-        g = torch.Generator().manual_seed(abs(hash(name)) % (1 << 31))
+        # zlib.crc32, not hash(): str hashes change with PYTHONHASHSEED from run to run.
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
 
         def param(*shape: int, std: float) -> torch.nn.Parameter:
             t = torch.randn(*shape, generator=g, dtype=torch.float32) * std
