@@ -379,6 +379,20 @@ class PerRank(Impl):
         return self.setup.per_rank(lambda rank, comm: self.call(rank, comm, self.sets[s][rank]))
 
 
+class TwoPhase(Impl):
+    """An emulated implementation whose call is two group.run phases (_call(s) issues one call)."""
+
+    def _call(self, s):
+        raise NotImplementedError
+
+    def enqueue(self, seq):
+        for s in seq:
+            self._call(s)
+
+    def once(self, s):
+        return self._call(s)
+
+
 class ArfuseFused(PerRank):
     def __init__(self, setup, sets, algorithm):
         super().__init__(setup, sets)
@@ -417,7 +431,7 @@ class Unfused(PerRank):
             weight_bias=float(self.setup.args.weight_bias), algorithm="auto")
 
 
-class UnfusedEmulated(Impl):
+class UnfusedEmulated(TwoPhase):
     """The unfused pipeline on an emulated group, in two group.run phases per call: every rank's
     finalize, then every rank's op. Issued as one stream per rank, a rank's finalize kernel could
     wait behind peers' op kernels that spin on it (the co-residency cap of the op's grid counts
@@ -442,15 +456,8 @@ class UnfusedEmulated(Impl):
         st.per_rank(phase1)
         return st.per_rank(phase2)
 
-    def enqueue(self, seq):
-        for s in seq:
-            self._call(s)
 
-    def once(self, s):
-        return self._call(s)
-
-
-class TorchEmulated(Impl):
+class TorchEmulated(TwoPhase):
     """Per rank: finalize in torch; then (after all ranks' partials exist) every rank sums the N
     partials in float32, adds the residual and applies RMSNorm -- the work an all-reduce leaves
     each rank with. Two group.run phases per call (the join between them is the all-reduce)."""
@@ -475,13 +482,6 @@ class TorchEmulated(Impl):
 
         st.per_rank(phase1)
         return st.per_rank(phase2)
-
-    def enqueue(self, seq):
-        for s in seq:
-            self._call(s)
-
-    def once(self, s):
-        return self._call(s)
 
 
 class TorchDistributed(PerRank):
