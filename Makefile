@@ -11,7 +11,8 @@
 # On the GPU machine (no Go, no network): make lib SKIP_GEN=1 PYTHON=python3 NVCC=nvcc
 
 MATRIX    ?= default
-OUT       ?= out
+# The generator's output folder. Not named OUT: many environments (CI systems, the GPU machine) set that.
+GENDIR    ?= out
 BUILD     ?= build/$(MATRIX)
 LIBDIR    ?= arfuse/_lib
 SKIP_GEN  ?= 0
@@ -59,36 +60,36 @@ toolchain: env
 
 generate:
 ifeq ($(SKIP_GEN),0)
-	$(GO) run ./gen --matrix $(MATRIX) --out $(OUT)
+	$(GO) run ./gen --matrix $(MATRIX) --out $(GENDIR)
 endif
 
 lib: toolchain generate
-	@$(MAKE) --no-print-directory -j$(JOBS) _lib MATRIX=$(MATRIX) OUT=$(OUT) BUILD=$(BUILD) LIBDIR=$(LIBDIR) PYTHON=$(PYTHON)
+	@$(MAKE) --no-print-directory -j$(JOBS) _lib MATRIX=$(MATRIX) GENDIR=$(GENDIR) BUILD=$(BUILD) LIBDIR=$(LIBDIR) PYTHON=$(PYTHON)
 
 wheel: lib
 	@cp variants/models.yaml $(LIBDIR)/models.yaml
-	@cp $(OUT)/manifest.json $(LIBDIR)/manifest.json
+	@cp $(GENDIR)/manifest.json $(LIBDIR)/manifest.json
 	rm -rf dist build/wheel && $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps -w dist .
 	@ls -l dist/*.whl
 
 # ---- the compile and link step (a second make, so that it reads the freshly generated list) ----
 ifneq ($(filter _lib,$(MAKECMDGOALS)),)
-ARFUSE_OUT := $(OUT)
-include $(OUT)/sources.mk
+ARFUSE_OUT := $(GENDIR)
+include $(GENDIR)/sources.mk
 NVCC_BIN   := $(shell cat build/nvcc.path)
 CUDA_HOME  := $(abspath $(dir $(NVCC_BIN))/..)
 TORCH_DIR  := $(shell $(PYTHON) -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 TORCH_ABI  := $(shell $(PYTHON) -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
 CUDART_DIR := $(shell $(PYTHON) -c 'import glob, os, torch; c = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu*", "lib", "libcudart.so*")); print(os.path.dirname(os.path.abspath(c[0])) if c else "")')
-NVCC_FLAGS := -std=c++17 -O3 $(ARCH_FLAGS) -Xcompiler -fPIC -Icsrc -I$(OUT) -DNDEBUG -lineinfo
-CXX_FLAGS  := -std=c++17 -O2 -fPIC -Icsrc -I$(OUT) -I$(CUDA_HOME)/include -I$(CUDA_HOME)/targets/x86_64-linux/include \
+NVCC_FLAGS := -std=c++17 -O3 $(ARCH_FLAGS) -Xcompiler -fPIC -Icsrc -I$(GENDIR) -DNDEBUG -lineinfo
+CXX_FLAGS  := -std=c++17 -O2 -fPIC -Icsrc -I$(GENDIR) -I$(CUDA_HOME)/include -I$(CUDA_HOME)/targets/x86_64-linux/include \
               -isystem $(TORCH_DIR)/include -isystem $(TORCH_DIR)/include/torch/csrc/api/include \
               -D_GLIBCXX_USE_CXX11_ABI=$(TORCH_ABI) -DNDEBUG -Wall -Wno-unused-function
 LD_FLAGS   := -shared -L$(TORCH_DIR)/lib -lc10 -lc10_cuda -ltorch_cpu \
               $(if $(CUDART_DIR),-L$(CUDART_DIR),-L$(CUDA_HOME)/lib -L$(CUDA_HOME)/lib64) -l:libcudart.so.13
 
-CU_OBJS  := $(patsubst $(OUT)/%.cu,$(BUILD)/gen/%.o,$(ARFUSE_CU_SOURCES)) $(BUILD)/csrc/kernels.o
-CXX_OBJS := $(patsubst $(OUT)/%.cpp,$(BUILD)/gen/%.o,$(ARFUSE_CXX_SOURCES)) \
+CU_OBJS  := $(patsubst $(GENDIR)/%.cu,$(BUILD)/gen/%.o,$(ARFUSE_CU_SOURCES)) $(BUILD)/csrc/kernels.o
+CXX_OBJS := $(patsubst $(GENDIR)/%.cpp,$(BUILD)/gen/%.o,$(ARFUSE_CXX_SOURCES)) \
             $(patsubst csrc/%.cpp,$(BUILD)/csrc/%.o,$(HAND_CXX))
 
 _lib: $(LIB)
@@ -98,7 +99,7 @@ $(LIB): $(CU_OBJS) $(CXX_OBJS)
 	g++ -o $@ $^ $(LD_FLAGS)
 	@echo "built $@ ($$(du -h $@ | cut -f1), $(words $(ARFUSE_CU_SOURCES)) generated CUDA sources)"
 
-$(BUILD)/gen/%.o: $(OUT)/%.cu $(HEADERS)
+$(BUILD)/gen/%.o: $(GENDIR)/%.cu $(HEADERS)
 	@mkdir -p $(dir $@)
 	@echo "nvcc $<"
 	@$(NVCC_BIN) $(NVCC_FLAGS) -c $< -o $@
@@ -108,7 +109,7 @@ $(BUILD)/csrc/%.o: csrc/%.cu $(HEADERS)
 	@echo "nvcc $<"
 	@$(NVCC_BIN) $(NVCC_FLAGS) -c $< -o $@
 
-$(BUILD)/gen/%.o: $(OUT)/%.cpp $(HEADERS)
+$(BUILD)/gen/%.o: $(GENDIR)/%.cpp $(HEADERS)
 	@mkdir -p $(dir $@)
 	@echo "g++ $<"
 	@g++ $(CXX_FLAGS) -c $< -o $@
@@ -124,7 +125,7 @@ CI_OUT   := build/ci/out
 CI_LIB   := build/ci/lib
 
 test: test-go check-generated vllm-env
-	@$(MAKE) --no-print-directory lib MATRIX=ci OUT=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN)
+	@$(MAKE) --no-print-directory lib MATRIX=ci GENDIR=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN)
 	@$(MAKE) --no-print-directory test-python
 
 test-go:
@@ -146,7 +147,7 @@ test-python: env
 
 # The GPU suite alone (on the GPU machine): make test-gpu PYTHON=python3 SKIP_GEN=1 NVCC=nvcc
 test-gpu:
-	@$(MAKE) --no-print-directory lib MATRIX=ci OUT=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN)
+	@$(MAKE) --no-print-directory lib MATRIX=ci GENDIR=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN)
 	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
 	  $(PYTHON) -m pytest -q -ra tests -m gpu
 

@@ -213,3 +213,16 @@ def num_input_sets(set_bytes: int, l2_bytes: int, *, factor: float = 4.0, min_se
         raise ValueError("set_bytes must be positive")
     need = int(factor * l2_bytes) // int(set_bytes) + 1  # smallest n with n * set_bytes > factor * L2
     return max(min_sets, min(max_sets, need))
+
+
+def graph_calls_for(T: int, graph_calls: int, *, full_until: int = 128) -> int:
+    """Calls captured per graph at T tokens: ``graph_calls`` up to ``full_until`` tokens (where a
+    call is a few microseconds and launch gaps would show), then fewer in proportion, at least 2
+    (consecutive calls still use different input sets). A graph of 20 calls at 8192 tokens holds
+    20 calls' outputs in its memory pool (tens of GB for 8 emulated ranks) and takes seconds per
+    replay; at those sizes a call lasts hundreds of microseconds and launch gaps do not show."""
+    if graph_calls < 1:
+        raise ValueError(f"graph_calls must be >= 1, got {graph_calls}")
+    if T <= full_until:
+        return graph_calls
+    return max(min(2, graph_calls), graph_calls * full_until // T)

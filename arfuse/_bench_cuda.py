@@ -664,7 +664,7 @@ def check_local(setup: Setup, impl: Impl, ref) -> float:
     return err
 
 
-def time_impl(setup: Setup, impl: Impl, n_sets: int) -> tuple[list, str]:
+def time_impl(setup: Setup, impl: Impl, n_sets: int, G: int) -> tuple[list, str]:
     """This process's replay times in ms (one per timed replay) and the timing mode used.
 
     Graph mode: warm up eagerly, capture ceil(n_sets / G) graphs of G consecutive calls (graph g
@@ -673,7 +673,6 @@ def time_impl(setup: Setup, impl: Impl, n_sets: int) -> tuple[list, str]:
     each between two CUDA events. The caller takes the maximum over ranks of each replay (torchrun)
     and divides by G for the per-call time."""
     a = setup.args
-    G = a.graph_calls
     n_graphs = max(1, -(-n_sets // G))
     seqs = [[(g * G + c) % n_sets for c in range(G)] for g in range(n_graphs)]
 
@@ -828,7 +827,6 @@ def _run(setup: Setup, on_token_done=None) -> dict:
         impls.remove("flashinfer_p7")
         notes.append("FlashInfer pattern 7 not benchmarked: it needs expert rows "
                      "(permuted or dense layout)")
-    G = a.graph_calls
     rows, checks, failed, aborted = [], [], [], None
     prog = Progress(len(a.tokens) * len(impls), setup.is_main)
     if setup.is_main:
@@ -844,6 +842,7 @@ def _run(setup: Setup, on_token_done=None) -> dict:
             set_bytes = BB.input_set_bytes(a.layout, T, a.hidden, a.topk, setup.elem,
                                            **kw_bytes) * len(setup.ranks)
             n_sets = BB.num_input_sets(set_bytes, l2, max_sets=a.max_sets)
+            G = BB.graph_calls_for(T, a.graph_calls)
             sets = ref = None
             try:
                 sets = make_sets(setup, T, n_sets)
@@ -898,7 +897,7 @@ def _run(setup: Setup, on_token_done=None) -> dict:
                     if not result:
                         local_msg, mode = None, a.timing
                         try:
-                            ms, mode = time_impl(setup, impl, n_sets)
+                            ms, mode = time_impl(setup, impl, n_sets, G)
                         except Exception as e:
                             ms, local_msg = [0.0] * a.replays, _first_line(e)
                         agg = setup.max_over_ranks([1.0 if local_msg else 0.0] + list(ms))

@@ -14,7 +14,8 @@ Two ways to run::
     # one GPU per rank
     torchrun --nproc-per-node 8 -m arfuse.bench --model deepseek-v3 --out bench-out
 
-Timing is CUDA-graph replay: ``--graph-calls`` consecutive calls per graph (all N ranks' calls
+Timing is CUDA-graph replay: ``--graph-calls`` consecutive calls per graph up to 128 tokens,
+proportionally fewer above (at least 2; ``_bench_bytes.graph_calls_for``) (all N ranks' calls
 when emulated: each rank issues its calls on its own stream forked from the capture stream and
 joined back, so replays run the ranks concurrently), at least 50 timed replays, per-call time =
 replay time / graph-calls; median and p10/p90 reported. Inputs rotate over enough distinct sets
@@ -374,7 +375,8 @@ def environment(ns, res: dict, argv) -> dict:
 
 
 def header_notes(ns, res: dict) -> list[str]:
-    notes = [f"Card: {res.get('card')}. CUDA-graph replay ({ns.graph_calls} calls per graph, "
+    notes = [f"Card: {res.get('card')}. CUDA-graph replay ({ns.graph_calls} calls per graph up to "
+             f"128 tokens, proportionally fewer above, at least 2; "
              f"{ns.replays} timed replays); inputs rotated over sets exceeding 4x L2. "
              f"Layout {ns.layout}" + (f", {ns.absent_frac:.0%} of indices -1" if
                                       ns.layout == "permuted" else "") +

@@ -59,23 +59,37 @@ func hiddenRule(dt *DType, hidden int) string {
 
 // planSpecialised plans a variant with hidden size and world size fixed at compile time, or
 // returns why it cannot be built.
-func planSpecialised(dt *DType, hidden int) (Plan, error) {
+//
+// One-shot serves the small token counts, where latency is one token's: a token's row is split
+// over a thread-block cluster (the largest of 8/4/2 CTAs that divides the row and leaves each CTA
+// at least 128 vectors), so that one token's loads come from several SMs at once. Two-shot serves
+// the large token counts, where there are tokens enough for every SM: one CTA per token (no
+// cluster, so no cluster barriers per token and no cluster-shaped limit on co-residency), up to
+// twoShotMaxThreads threads, each keeping ceil(row / threads) vectors in registers. Measured on
+// the H200 (docs/performance.md): the clustered two-shot moved its bytes at 53-60 % of the copy
+// bandwidth at T >= 1024.
+func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 	if rule := hiddenRule(dt, hidden); rule != "" {
 		return Plan{}, fmt.Errorf("%s", rule)
 	}
 	p := Plan{Vec: dt.Vec(), MaxHidden: hidden}
 	p.Nvec = hidden / p.Vec
-	// The largest cluster that divides the row evenly and still gives each CTA >= 128 vectors.
 	p.Cluster = 1
-	for _, c := range []int{8, 4, 2} {
-		if p.Nvec%c == 0 && p.Nvec/c >= 128 {
-			p.Cluster = c
-			break
+	if algo.Name == "twoshot" && ceilDiv(p.Nvec, twoShotMaxThreads) <= maxVecsPerThread {
+		p.Slice = p.Nvec
+		p.VecsPerThread = ceilDiv(p.Nvec, twoShotMaxThreads)
+		p.ThreadsPerToken = roundUp(ceilDiv(p.Nvec, p.VecsPerThread), 32)
+	} else { // one-shot, and two-shot rows too long for one CTA's registers
+		for _, c := range []int{8, 4, 2} {
+			if p.Nvec%c == 0 && p.Nvec/c >= 128 {
+				p.Cluster = c
+				break
+			}
 		}
+		p.Slice = p.Nvec / p.Cluster
+		p.ThreadsPerToken = min(roundUp(p.Slice, 32), 256)
+		p.VecsPerThread = ceilDiv(p.Slice, p.ThreadsPerToken)
 	}
-	p.Slice = p.Nvec / p.Cluster
-	p.ThreadsPerToken = min(roundUp(p.Slice, 32), 256)
-	p.VecsPerThread = ceilDiv(p.Slice, p.ThreadsPerToken)
 	if p.VecsPerThread > maxVecsPerThread {
 		return Plan{}, fmt.Errorf("%s row needs %d vectors per thread (max %d): it would not stay in registers",
 			dt.Name, p.VecsPerThread, maxVecsPerThread)
@@ -142,17 +156,23 @@ func expand(m *Matrix) ([]*Variant, error) {
 			}
 		}
 		for _, dt := range g.DTypes {
-			plans := map[int]Plan{}
+			type key struct {
+				hidden int
+				algo   *Algo
+			}
+			plans := map[key]Plan{}
 			for _, h := range g.Hiddens {
-				p, err := planSpecialised(dt, h.Hidden)
-				if err != nil {
-					rule := err.Error()
-					if h.Model != "" {
-						rule = fmt.Sprintf("hidden %d of this model: %s", h.Hidden, rule)
+				for _, algo := range g.Algos {
+					p, err := planSpecialised(dt, h.Hidden, algo)
+					if err != nil {
+						rule := err.Error()
+						if h.Model != "" {
+							rule = fmt.Sprintf("hidden %d of this model: %s", h.Hidden, rule)
+						}
+						return nil, &InputError{File: m.File, Line: h.Line, Path: h.Path, Value: h.Value, Rule: rule}
 					}
-					return nil, &InputError{File: m.File, Line: h.Line, Path: h.Path, Value: h.Value, Rule: rule}
+					plans[key{h.Hidden, algo}] = p
 				}
-				plans[h.Hidden] = p
 			}
 			for _, algo := range g.Algos {
 				for _, o := range g.Outs {
@@ -165,7 +185,7 @@ func expand(m *Matrix) ([]*Variant, error) {
 							slices.Sort(ms)
 							v := &Variant{
 								Name: variantName(dt, h, w, algo, o), DType: dt, Hidden: h, World: w,
-								Algo: algo, Out: o, Models: ms, Plan: plans[h],
+								Algo: algo, Out: o, Models: ms, Plan: plans[key{h, algo}],
 							}
 							if err := add(v, origin{g.Path, g.Line}); err != nil {
 								return nil, err

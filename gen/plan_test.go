@@ -27,7 +27,7 @@ func TestPlanSpecialised(t *testing.T) {
 		{"bf16", 65536, Plan{Vec: 8, Nvec: 8192, Cluster: 8, Slice: 1024, ThreadsPerToken: 256, VecsPerThread: 4, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 65536, RowInRegisters: true}},
 	}
 	for _, c := range cases {
-		got, err := planSpecialised(dtypeByName(c.dtype), c.hidden)
+		got, err := planSpecialised(dtypeByName(c.dtype), c.hidden, algoByName("oneshot"))
 		if err != nil {
 			t.Errorf("%s %d: %v", c.dtype, c.hidden, err)
 			continue
@@ -51,30 +51,63 @@ func TestPlanRejects(t *testing.T) {
 		{"fp16", 65544, "hidden size out of range (want 1 to 65536)"},
 	}
 	for _, c := range cases {
-		_, err := planSpecialised(dtypeByName(c.dtype), c.hidden)
+		_, err := planSpecialised(dtypeByName(c.dtype), c.hidden, algoByName("oneshot"))
 		if err == nil || err.Error() != c.want {
 			t.Errorf("%s %d: got %v, want %q", c.dtype, c.hidden, err, c.want)
 		}
 	}
 }
 
+// Two-shot: one CTA per token, up to 512 threads, no cluster while the row fits in registers.
+func TestPlanTwoShot(t *testing.T) {
+	cases := []struct {
+		dtype  string
+		hidden int
+		want   Plan
+	}{
+		// 896 vectors: 2 per thread, 448 threads.
+		{"bf16", 7168, Plan{Vec: 8, Nvec: 896, Cluster: 1, Slice: 896, ThreadsPerToken: 448, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 448, MaxHidden: 7168, RowInRegisters: true}},
+		{"bf16", 4096, Plan{Vec: 8, Nvec: 512, Cluster: 1, Slice: 512, ThreadsPerToken: 512, VecsPerThread: 1, TokensPerBlock: 1, BlockThreads: 512, MaxHidden: 4096, RowInRegisters: true}},
+		{"bf16", 2880, Plan{Vec: 8, Nvec: 360, Cluster: 1, Slice: 360, ThreadsPerToken: 384, VecsPerThread: 1, TokensPerBlock: 1, BlockThreads: 384, MaxHidden: 2880, RowInRegisters: true}},
+		{"bf16", 512, Plan{Vec: 8, Nvec: 64, Cluster: 1, Slice: 64, ThreadsPerToken: 64, VecsPerThread: 1, TokensPerBlock: 2, BlockThreads: 128, MaxHidden: 512, RowInRegisters: true}},
+		// Too long for 512 threads x 8 vectors: the clustered plan of one-shot.
+		{"bf16", 65536, Plan{Vec: 8, Nvec: 8192, Cluster: 8, Slice: 1024, ThreadsPerToken: 256, VecsPerThread: 4, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 65536, RowInRegisters: true}},
+	}
+	for _, c := range cases {
+		got, err := planSpecialised(dtypeByName(c.dtype), c.hidden, algoByName("twoshot"))
+		if err != nil {
+			t.Errorf("%s %d: %v", c.dtype, c.hidden, err)
+			continue
+		}
+		if got != c.want {
+			t.Errorf("%s %d:\n got %+v\nwant %+v", c.dtype, c.hidden, got, c.want)
+		}
+	}
+}
+
 // Every hidden size the plan accepts gives a shape the device code can run.
 func TestPlanInvariants(t *testing.T) {
-	for _, dt := range dtypes {
-		for h := dt.Vec(); h <= maxHidden; h += dt.Vec() {
-			p, err := planSpecialised(dt, h)
-			if err != nil {
-				if !strings.Contains(err.Error(), "registers") {
-					t.Fatalf("%s %d: %v", dt.Name, h, err)
+	for _, algo := range algos {
+		for _, dt := range dtypes {
+			for h := dt.Vec(); h <= maxHidden; h += dt.Vec() {
+				p, err := planSpecialised(dt, h, algo)
+				if err != nil {
+					if !strings.Contains(err.Error(), "registers") {
+						t.Fatalf("%s %s %d: %v", algo.Name, dt.Name, h, err)
+					}
+					continue
 				}
-				continue
-			}
-			ok := p.Cluster*p.Slice == p.Nvec && p.ThreadsPerToken%32 == 0 && p.ThreadsPerToken <= 256 &&
-				p.ThreadsPerToken*p.VecsPerThread >= p.Slice && p.VecsPerThread <= maxVecsPerThread &&
-				p.BlockThreads <= 256 && p.BlockThreads == p.ThreadsPerToken*p.TokensPerBlock &&
-				(p.Cluster == 1 || p.Slice >= 128)
-			if !ok {
-				t.Fatalf("%s %d: bad plan %+v", dt.Name, h, p)
+				limit := 256
+				if algo.Name == "twoshot" {
+					limit = twoShotMaxThreads
+				}
+				ok := p.Cluster*p.Slice == p.Nvec && p.ThreadsPerToken%32 == 0 && p.ThreadsPerToken <= limit &&
+					p.ThreadsPerToken*p.VecsPerThread >= p.Slice && p.VecsPerThread <= maxVecsPerThread &&
+					p.BlockThreads <= limit && p.BlockThreads == p.ThreadsPerToken*p.TokensPerBlock &&
+					(p.Cluster == 1 || p.Slice >= 128)
+				if !ok {
+					t.Fatalf("%s %s %d: bad plan %+v", algo.Name, dt.Name, h, p)
+				}
 			}
 		}
 	}

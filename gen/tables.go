@@ -19,6 +19,8 @@ const maxHidden = 65536
 const (
 	genericMaxThreads = 512
 	maxVecsPerThread  = 8
+	// twoShotMaxThreads bounds the threads of one token's CTA in a specialised two-shot plan.
+	twoShotMaxThreads = 512
 )
 
 // DType is one activation dtype. Index is the value of the arfuse::DType enumerator: the order of

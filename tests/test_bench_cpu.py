@@ -489,3 +489,12 @@ def test_flashinfer_views_fold_scaling_and_absent_rows():
     got = reference.finalize(inp.fi["rows"], num_tokens=5, permuted_idx=inp.fi["idx"],
                              expert_weights=inp.fi["weights"], shared_out=inp.shared)
     assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_graph_calls_for_scales_down_above_128_tokens():
+    from arfuse import _bench_bytes as BB
+    assert [BB.graph_calls_for(T, 20) for T in (1, 64, 128, 256, 512, 1024, 8192)] == \
+        [20, 20, 20, 10, 5, 2, 2]
+    assert BB.graph_calls_for(8192, 1) == 1
+    with pytest.raises(ValueError, match="graph_calls must be >= 1"):
+        BB.graph_calls_for(4, 0)

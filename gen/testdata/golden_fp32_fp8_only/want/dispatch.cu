@@ -10,8 +10,8 @@ namespace {
 // tokens_per_block, cluster, max_hidden, launch (hidden 0 / world_size 0: generic).
 const arfuse::Instance kInstances[] = {
     arfuse::Instance{"arfuse_fp32_generic_twoshot_fp8_static", arfuse::DType::kFP32, 0, 0, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 0, 1, 1, 16384, &arfuse::gen::arfuse_fp32_generic_twoshot_fp8_static},
-    arfuse::Instance{"arfuse_fp32_h7168_w16_twoshot_fp8_static", arfuse::DType::kFP32, 7168, 16, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 224, 1, 8, 7168, &arfuse::gen::arfuse_fp32_h7168_w16_twoshot_fp8_static},
-    arfuse::Instance{"arfuse_fp32_h7168_w2_twoshot_fp8_static", arfuse::DType::kFP32, 7168, 2, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 224, 1, 8, 7168, &arfuse::gen::arfuse_fp32_h7168_w2_twoshot_fp8_static},
+    arfuse::Instance{"arfuse_fp32_h7168_w16_twoshot_fp8_static", arfuse::DType::kFP32, 7168, 16, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 448, 1, 1, 7168, &arfuse::gen::arfuse_fp32_h7168_w16_twoshot_fp8_static},
+    arfuse::Instance{"arfuse_fp32_h7168_w2_twoshot_fp8_static", arfuse::DType::kFP32, 7168, 2, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 448, 1, 1, 7168, &arfuse::gen::arfuse_fp32_h7168_w2_twoshot_fp8_static},
 };
 
 }  // namespace
