@@ -164,6 +164,8 @@ IMPL_ALGORITHM = {
     "arfuse_twoshot": ("fused", "twoshot"),
     "unfused": ("unfused", "auto"),
     "torch": (None, None),
+    "arfuse_q": ("fused", "auto"),           # --quant: FP8 output written by the fused kernel
+    "arfuse_sepq": ("sepquant", "auto"),     # --quant: activation-dtype output + quant kernel
     "flashinfer_p7": ("fused", "oneshot"),   # FlashInfer's MoE-finalize fusion is one-shot only
     "flashinfer_p1": ("unfused", "auto"),    # arfuse.moe_finalize + FlashInfer pattern 1
 }
@@ -184,9 +186,40 @@ def impl_bytes(impl: str, layout: str, T: int, H: int, K: int, N: int, elem: int
         if oneshot_max_tokens is None:
             return None
         algo = resolve_algorithm(algo, T, oneshot_max_tokens)
+    quant = kw.pop("quant", None)
     if kind == "fused":
-        return op_bytes(algo, layout, T, H, K, N, elem, **kw)
+        return op_bytes(algo, layout, T, H, K, N, elem, **kw) + quant_output_delta(quant, T, H, elem)
+    if kind == "sepquant":  # the op with activation-dtype output, then a quantization kernel
+        return op_bytes(algo, layout, T, H, K, N, elem, **kw) + separate_quant_bytes(quant, T, H, elem)
     return unfused_bytes(algo, layout, T, H, K, N, elem, **kw)
+
+
+def scale_bytes(quant: str | None, T: int, H: int) -> int:
+    """float32 scales written by a quantized output: none (static), [T] (per token) or
+    [T, H/128] (per group of 128)."""
+    if quant in (None, "fp8_static"):
+        return 0
+    if quant == "fp8_token":
+        return 4 * T
+    if quant == "fp8_group128":
+        return 4 * T * (H // 128)
+    raise ValueError(f"unknown quant {quant!r}")
+
+
+def quant_output_delta(quant: str | None, T: int, H: int, elem: int) -> int:
+    """Fused FP8 output: norm_out is written as 1-byte codes instead of elem-byte values, plus the
+    scales."""
+    if quant is None:
+        return 0
+    return T * H * (1 - elem) + scale_bytes(quant, T, H)
+
+
+def separate_quant_bytes(quant: str | None, T: int, H: int, elem: int) -> int:
+    """A separate quantization kernel after an activation-dtype norm_out: reads it (T*H*e),
+    writes the codes (T*H) and the scales (static: reads the one scale, 4 bytes)."""
+    if quant is None:
+        raise ValueError("separate_quant_bytes needs a quant kind")
+    return T * H * elem + T * H + scale_bytes(quant, T, H) + (4 if quant == "fp8_static" else 0)
 
 
 def input_set_bytes(layout: str, T: int, H: int, K: int, elem: int, *, weight_elem: int = 4,

@@ -410,6 +410,60 @@ class ArfuseFused(PerRank):
             algorithm=self.algo, **kw)
 
 
+QUANT_IMPLS = ("arfuse_q", "arfuse_sepq")
+# FP8-e4m3 keeps 3 mantissa bits: each element within 2^-4 relative of its value; the check
+# compares the dequantized output with the float32 reference norm-wise.
+QUANT_TOLERANCE = 0.06
+
+
+class ArfuseQuant(PerRank):
+    """--quant KIND. fused: one arfuse call writing the FP8 output (and scales) itself;
+    separate: arfuse with the activation-dtype output, then one Triton quantization kernel
+    (arfuse/_bench_quant.py) on it. once() returns the dequantized output for the check."""
+
+    STATIC_SCALE = 1.0 / 64  # RMSNorm outputs of the bench's inputs stay well inside 448/64
+
+    def __init__(self, setup, sets, fused: bool):
+        super().__init__(setup, sets)
+        from . import _bench_quant as BQ
+        self.BQ, self.fused, self.kind = BQ, fused, setup.args.quant
+        if not fused:
+            BQ._build()  # compile errors / no triton: a Skip before timing, not mid-graph
+        self.static = torch.full((1,), self.STATIC_SCALE, dtype=torch.float32,
+                                 device=setup.device)
+
+    def _run(self, rank, comm, inp):
+        a, st = self.setup.args, self.setup
+        kw = {}
+        if inp.idx is not None:
+            kw["permuted_idx"] = inp.idx
+        if self.fused:
+            if self.kind == "fp8_static":
+                kw["fp8_scale"] = self.static
+            else:
+                kw["quant"] = self.kind
+        res = st.ar.moe_finalize_allreduce_rmsnorm(
+            comm, inp.expert_out, inp.residual, st.gamma, float(a.eps),
+            expert_weights=inp.weights, shared_out=inp.shared,
+            routed_scaling=float(a.routed_scaling), weight_bias=float(a.weight_bias),
+            algorithm="auto", **kw)
+        if self.fused:
+            if self.kind == "fp8_static":
+                q, r = res
+                return q, r, None
+            return res
+        y, r = res
+        q, scales = self.BQ.quantize(y, self.kind, self.static)
+        return q, r, scales
+
+    def call(self, rank, comm, inp):
+        return self._run(rank, comm, inp)
+
+    def once(self, s):
+        outs = self.setup.per_rank(lambda rank, comm: self._run(rank, comm, self.sets[s][rank]))
+        return [(self.BQ.dequantize(q, self.kind, sc, self.static), r) for q, r, sc in outs]
+
+
 def arfuse_finalize(setup: Setup, inp: RankInputs) -> torch.Tensor:
     a = setup.args
     kw = {}
@@ -609,6 +663,14 @@ def build_impl(name: str, setup: Setup, sets: list, T: int, thr) -> Impl:
         impl.algorithm = algo
     elif name == "unfused":
         impl = UnfusedEmulated(setup, sets) if setup.emulated else Unfused(setup, sets)
+        impl.algorithm = BB.resolve_algorithm("auto", T, thr) if thr is not None else None
+    elif name in ("arfuse_q", "arfuse_sepq"):
+        if not a.quant:
+            raise Skip("needs --quant")
+        try:
+            impl = ArfuseQuant(setup, sets, fused=(name == "arfuse_q"))
+        except ImportError as e:
+            raise Skip(f"no separate quantization kernel: {e}") from None
         impl.algorithm = BB.resolve_algorithm("auto", T, thr) if thr is not None else None
     elif name == "torch":
         impl = TorchEmulated(setup, sets) if setup.emulated else TorchDistributed(setup, sets)
@@ -874,7 +936,7 @@ def _run(setup: Setup, on_token_done=None) -> dict:
                     row["bytes_per_rank"] = BB.impl_bytes(
                         name, a.layout, T, a.hidden, a.topk, setup.world_size, setup.elem,
                         oneshot_max_tokens=thr, algorithm=impl.algorithm, valid_rows=valid,
-                        **kw_bytes)
+                        quant=(a.quant if name in QUANT_IMPLS else None), **kw_bytes)
                     # guard rail: one call against the float32 reference (collective status)
                     local_msg = None
                     try:
@@ -887,10 +949,11 @@ def _run(setup: Setup, on_token_done=None) -> dict:
                         result = "FAILED"
                     else:
                         row["max_rel_err"] = err
+                        tol_i = QUANT_TOLERANCE if name in QUANT_IMPLS else tol
                         checks.append({"impl": name, "tokens": T, "max_rel_err": err,
-                                       "tol": tol})
-                        if not err <= tol:
-                            row["note"] = (f"wrong result: max rel err {err:.3g} > {tol:g} "
+                                       "tol": tol_i})
+                        if not err <= tol_i:
+                            row["note"] = (f"wrong result: max rel err {err:.3g} > {tol_i:g} "
                                            "vs the float32 reference; not timed")
                             failed.append({"impl": name, "tokens": T, "max_rel_err": err})
                             result = "WRONG"

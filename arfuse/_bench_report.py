@@ -13,6 +13,7 @@ import math
 from typing import Iterable, Sequence
 
 IMPL_ORDER = ("arfuse", "arfuse_oneshot", "arfuse_twoshot", "unfused", "torch",
+              "arfuse_q", "arfuse_sepq",
               "flashinfer_p7", "flashinfer_p1")
 
 IMPL_LABELS = {
@@ -21,6 +22,8 @@ IMPL_LABELS = {
     "arfuse_twoshot": "arfuse two-shot",
     "unfused": "unfused (finalize + AR/norm)",
     "torch": "PyTorch composition",
+    "arfuse_q": "arfuse, FP8 output fused",
+    "arfuse_sepq": "arfuse + separate FP8 quant kernel",
     "flashinfer_p7": "FlashInfer pattern 7",
     "flashinfer_p1": "finalize + FlashInfer pattern 1",
 }

@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="0: x*gamma; 1: x*(1+gamma)")
     shape.add_argument("--weights-dtype", choices=("fp32", "act"), default="fp32",
                        help="router weights in float32 or in the activation dtype")
+    shape.add_argument("--quant", choices=("fp8_static", "fp8_token", "fp8_group128"),
+                       help="also time the FP8 output kind: fused into arfuse (arfuse_q) beside "
+                       "arfuse's activation-dtype output + a separate Triton quantization kernel "
+                       "(arfuse_sepq)")
     shape.add_argument("--absent-frac", type=float, default=0.1,
                        help="fraction of permuted indices set to -1 (experts not on this rank)")
 
@@ -242,6 +246,13 @@ def resolve_args(ns: argparse.Namespace, *, env_world: int | None = None) -> arg
     """Checks and completes parsed arguments (no GPU needed). Raises BenchError."""
     ns.tokens = parse_tokens(ns.tokens)
     ns.impls = list(TUNE_IMPLS) if ns.tune else parse_impls(ns.impls)
+    quant_impls = ("arfuse_q", "arfuse_sepq")
+    if ns.quant and not ns.tune:
+        ns.impls += [i for i in quant_impls if i not in ns.impls]
+    elif not ns.quant:
+        ns.impls = [i for i in ns.impls if i not in quant_impls]
+        if not ns.impls:
+            raise BenchError("--impls: arfuse_q and arfuse_sepq need --quant")
 
     model = None
     if ns.model:
@@ -317,14 +328,16 @@ def output_stem(ns) -> str:
     what = ns.model_name or f"h{ns.hidden}k{ns.topk}"
     kind = "tune" if ns.tune else "bench"
     mode = "emu" if ns.emulate else "tp"
-    return f"{kind}_{what}_{mode}{ns.world_size}_{ns.dtype}_{ns.layout}"
+    quant = f"_{ns.quant}" if getattr(ns, "quant", None) else ""
+    return f"{kind}_{what}_{mode}{ns.world_size}_{ns.dtype}_{ns.layout}{quant}"
 
 
 def title(ns, card: str) -> str:
     what = f"{ns.model_name} " if ns.model_name else ""
     mode = "emulated on one GPU" if ns.emulate else "one GPU per rank"
+    quant = f", {ns.quant} output" if getattr(ns, "quant", None) else ""
     return (f"arfuse: {what}H={ns.hidden} K={ns.topk} N={ns.world_size} {ns.dtype} "
-            f"{ns.layout} ({mode}) — {card}")
+            f"{ns.layout}{quant} ({mode}) — {card}")
 
 
 def git_commit() -> str | None:

@@ -498,3 +498,33 @@ def test_graph_calls_for_scales_down_above_128_tokens():
     assert BB.graph_calls_for(8192, 1) == 1
     with pytest.raises(ValueError, match="graph_calls must be >= 1"):
         BB.graph_calls_for(4, 0)
+
+
+def test_quant_byte_counts():
+    from arfuse import _bench_bytes as BB
+    T, H, K, N, e = 64, 7168, 8, 8, 2
+    base = BB.impl_bytes("arfuse", "permuted", T, H, K, N, e, oneshot_max_tokens=0)
+    row = T * H
+    # fused: norm_out as 1-byte codes instead of 2-byte values, plus the scales
+    assert BB.impl_bytes("arfuse_q", "permuted", T, H, K, N, e, oneshot_max_tokens=0,
+                         quant="fp8_static") == base - row
+    assert BB.impl_bytes("arfuse_q", "permuted", T, H, K, N, e, oneshot_max_tokens=0,
+                         quant="fp8_token") == base - row + 4 * T
+    assert BB.impl_bytes("arfuse_q", "permuted", T, H, K, N, e, oneshot_max_tokens=0,
+                         quant="fp8_group128") == base - row + 4 * T * (H // 128)
+    # separate kernel: the bf16 op, then read norm_out, write codes and scales
+    assert BB.impl_bytes("arfuse_sepq", "permuted", T, H, K, N, e, oneshot_max_tokens=0,
+                         quant="fp8_token") == base + 2 * row + row + 4 * T
+    with pytest.raises(ValueError, match="unknown quant"):
+        BB.scale_bytes("int8", T, H)
+
+
+def test_quant_impls_need_quant():
+    from arfuse import bench
+    ns = bench.parse_args(["--emulate", "--model", "deepseek-v3", "--quant", "fp8_token"])
+    assert "arfuse_q" in ns.impls and "arfuse_sepq" in ns.impls
+    ns = bench.parse_args(["--emulate", "--model", "deepseek-v3"])
+    assert "arfuse_q" not in ns.impls
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--emulate", "--model", "deepseek-v3", "--impls", "arfuse_q"])
+    assert e.value.code == 2
