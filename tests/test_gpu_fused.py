@@ -184,10 +184,13 @@ def test_inplace(groups, shape, algorithm):
     check_case(case, outs, inputs)
 
 
-# ---- one-shot and two-shot compute bitwise the same result ---------------------------------------
+# ---- one-shot and two-shot: the same residual_out bit for bit (both sum the ranks' partials in
+# rank order, then add the residual), norm_out within the dtype's tolerance of each other (their
+# plans differ -- one-shot splits a row over a cluster, two-shot gives it one CTA -- so the sum of
+# squares is reduced in a different order) --------------------------------------------------------
 @pytest.mark.parametrize("shape", [(8, 7168, "bf16"), (4, 4096, "fp16"), (4, 2880, "bf16"),
                                    (2, 1536, "fp32")], ids=lambda s: f"w{s[0]}-h{s[1]}-{s[2]}")
-def test_oneshot_equals_twoshot(groups, shape):
+def test_oneshot_matches_twoshot(groups, shape):
     world, hidden, d = shape
     dtype = DTYPES[d]
     group = groups(world, hidden, dtype)
@@ -198,7 +201,10 @@ def test_oneshot_equals_twoshot(groups, shape):
                     algorithm=algo)
         outs, _ = run_case(group, case, seed)
         res[algo] = outs[0]
-    assert torch.equal(bits(res["oneshot"][0]), bits(res["twoshot"][0])), f"seed {seed}"
+    one, two = res["oneshot"][0].double(), res["twoshot"][0].double()
+    assert torch.equal(one.isnan(), two.isnan()), f"seed {seed}"
+    err = ((one - two).norm() / one.norm()).item()
+    assert err <= TOL[dtype], f"seed {seed}: norm_out one-shot vs two-shot rel err {err:.3g}"
     assert torch.equal(bits(res["oneshot"][1]), bits(res["twoshot"][1])), f"seed {seed}"
 
 
