@@ -341,6 +341,10 @@ def title(ns, card: str) -> str:
 
 
 def git_commit() -> str | None:
+    """$ARFUSE_COMMIT if set (a tree copied without its .git, e.g. to a GPU machine, names its
+    commit that way), else git rev-parse HEAD of the package's checkout."""
+    if os.environ.get("ARFUSE_COMMIT"):
+        return os.environ["ARFUSE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_package_dir(),
                              capture_output=True, text=True, timeout=10)

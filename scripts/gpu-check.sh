@@ -9,7 +9,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' | tee -a "$out/gpu.txt"
-git rev-parse HEAD 2>/dev/null | tee -a "$out/gpu.txt"
+echo "commit ${ARFUSE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" | tee -a "$out/gpu.txt"  # ARFUSE_COMMIT: a copied tree without .git
 make lib MATRIX=ci GENDIR=build/ci/out BUILD=build/ci/obj LIBDIR=build/ci/lib PYTHON=python3 NVCC=${NVCC:-nvcc} SKIP_GEN=1 JOBS=$(nproc) >"$out/build.log" 2>&1
 rc=$?; tail -n 3 "$out/build.log"
 [ $rc -eq 0 ] || { echo "build failed"; tail -n 60 "$out/build.log"; exit $rc; }
