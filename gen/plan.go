@@ -63,11 +63,17 @@ func hiddenRule(dt *DType, hidden int) string {
 // One-shot serves the small token counts, where latency is one token's: a token's row is split
 // over a thread-block cluster (the largest of 8/4/2 CTAs that divides the row and leaves each CTA
 // at least 128 vectors), so that one token's loads come from several SMs at once. Two-shot serves
-// the large token counts, where there are tokens enough for every SM: one CTA per token (no
-// cluster, so no cluster barriers per token and no cluster-shaped limit on co-residency), up to
-// twoShotMaxThreads threads, each keeping ceil(row / threads) vectors in registers. Measured on
-// the H200 (docs/performance.md): the clustered two-shot moved its bytes at 53-60 % of the copy
-// bandwidth at T >= 1024.
+// the large token counts, where there are tokens enough for every SM and throughput is what
+// counts: one CTA per token (no cluster, so no cluster barriers per token and no cluster-shaped
+// limit on co-residency), each thread keeping at least twoShotMinVecs vectors of the row (so that
+// it issues twoShotMinVecs * (K + 1) independent 16-byte loads before its first use), at most
+// twoShotMaxThreads threads. Measured on the H200 (docs/performance.md): the clustered two-shot
+// moved its bytes at 53-60 % of the copy bandwidth at T >= 1024; one CTA per token reached 85 %
+// with 2 vectors per thread (H = 7168) but stayed at 61 % with 1 (H = 4096, 512 threads).
+// twoShotMinVecs is the fewest vectors a two-shot thread keeps, where the row has enough of them
+// to give every thread of a warp that many.
+const twoShotMinVecs = 2
+
 func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 	if rule := hiddenRule(dt, hidden); rule != "" {
 		return Plan{}, fmt.Errorf("%s", rule)
@@ -77,7 +83,7 @@ func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 	p.Cluster = 1
 	if algo.Name == "twoshot" && ceilDiv(p.Nvec, twoShotMaxThreads) <= maxVecsPerThread {
 		p.Slice = p.Nvec
-		p.VecsPerThread = ceilDiv(p.Nvec, twoShotMaxThreads)
+		p.VecsPerThread = max(ceilDiv(p.Nvec, twoShotMaxThreads), min(twoShotMinVecs, ceilDiv(p.Nvec, 32)))
 		p.ThreadsPerToken = roundUp(ceilDiv(p.Nvec, p.VecsPerThread), 32)
 	} else { // one-shot, and two-shot rows too long for one CTA's registers
 		for _, c := range []int{8, 4, 2} {
