@@ -38,6 +38,10 @@ const char* out_name(OutKind out) {
       return "norm";
     case OutKind::kFP8Static:
       return "fp8_static";
+    case OutKind::kFP8Token:
+      return "fp8_token";
+    case OutKind::kFP8Group128:
+      return "fp8_group128";
   }
   return "?";
 }

@@ -300,7 +300,8 @@ Checked validate(const Comm& c, const at::Tensor& expert_out,
                  const std::optional<at::Tensor>& shared_out,
                  const std::optional<at::Tensor>& residual_opt, const at::Tensor& gamma, double eps,
                  double weight_bias,
-                 const std::optional<at::Tensor>& fp8_scale, int64_t algorithm, bool check_device) {
+                 const std::optional<at::Tensor>& fp8_scale, int64_t algorithm, bool check_device,
+                 const DynamicQuant* dq) {
   Checked k;
   TORCH_CHECK_VALUE(c.peers_ready, "arfuse: comm: peers are not set (Communicator not finished)");
   TORCH_CHECK_VALUE(algorithm >= 0 && algorithm <= 2, "arfuse: algorithm: ", algorithm,
@@ -408,6 +409,38 @@ Checked validate(const Comm& c, const at::Tensor& expert_out,
     check_tensor(s, "fp8_scale", c, check_device);
     k.out = OutKind::kFP8Static;
   }
+  if (dq != nullptr) {
+    // Dynamic FP8 scales (vLLM's per-token and per-token-group quantization; see params.h).
+    TORCH_CHECK_VALUE(dq->group_size == 0 || dq->group_size == kQuantGroup, "arfuse: group_size: ",
+                      dq->group_size, " is not supported (want 0: one scale per token, or ",
+                      kQuantGroup, ": one scale per group of ", kQuantGroup, " elements)");
+    const bool has_ub = dq->scale_ub != nullptr && dq->scale_ub->has_value();
+    if (dq->group_size == kQuantGroup) {
+      TORCH_CHECK_VALUE(k.H % kQuantGroup == 0, "arfuse: hidden: ", k.H,
+                        " is not a multiple of group_size=", kQuantGroup,
+                        " (per-group FP8 scales need whole groups of ", kQuantGroup,
+                        " elements; use group_size=0, one scale per token)");
+      TORCH_CHECK_VALUE(!has_ub, "arfuse: scale_ub: an upper bound applies to per-token scales "
+                        "only (group_size=0), not to group_size=", kQuantGroup);
+      k.out = OutKind::kFP8Group128;
+    } else {
+      TORCH_CHECK_VALUE(!dq->col_major, "arfuse: col_major_scales: the column-major layout "
+                        "applies to per-group scales only (group_size=", kQuantGroup, ")");
+      TORCH_CHECK_VALUE(!dq->ue8m0, "arfuse: ue8m0: power-of-two scales apply to per-group "
+                        "scales only (group_size=", kQuantGroup, ")");
+      if (has_ub) {
+        const at::Tensor& ub = **dq->scale_ub;
+        TORCH_CHECK_TYPE(ub.scalar_type() == at::kFloat, "arfuse: scale_ub: dtype ",
+                         ub.scalar_type(), " (want float32)");
+        TORCH_CHECK_VALUE(ub.numel() == 1, "arfuse: scale_ub: want one element (an upper bound "
+                          "of every token's amax), got ", ub.sizes());
+        const at::Device want = check_device ? c.device : expert_out.device();
+        TORCH_CHECK_VALUE(ub.device() == want, "arfuse: scale_ub: is on ", ub.device(), " but ",
+                          check_device ? "the communicator" : "expert_out", " is on ", want);
+      }
+      k.out = OutKind::kFP8Token;
+    }
+  }
 
   // Algorithm and instance, decided before anything is launched. A CPU communicator (world
   // size 1, arfuse/_cpu.py) launches no kernel: nothing more to decide.
@@ -437,13 +470,21 @@ Checked validate(const Comm& c, const at::Tensor& expert_out,
   return k;
 }
 
+// The dynamic FP8 outputs and settings of one launch (fused_fp8_dynamic).
+struct QuantOut {
+  at::Tensor scales;                   // float32 [T] or [T, H / 128] (either layout)
+  std::optional<at::Tensor> scale_ub;  // per token: [1] float32 on the device
+  bool col_major = false, ue8m0 = false;
+};
+
 void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
             const std::optional<at::Tensor>& permuted_idx,
             const std::optional<at::Tensor>& expert_weights,
             const std::optional<at::Tensor>& shared_out,
             const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
             double weight_bias, double routed_scaling, const std::optional<at::Tensor>& fp8_scale,
-            const at::Tensor& norm_out, const at::Tensor& residual_out) {
+            const at::Tensor& norm_out, const at::Tensor& residual_out,
+            const QuantOut* quant = nullptr) {
   const uint32_t err_word = *reinterpret_cast<volatile uint32_t*>(c.error_host);
   TORCH_CHECK(err_word == 0, "arfuse: comm: this communicator is broken: an earlier call gave up "
               "waiting for rank ", err_word - 1, " after ", c.timeout_ns / 1000000,
@@ -461,6 +502,12 @@ void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
   p.weight_bias = static_cast<float>(weight_bias);
   p.norm_out = norm_out.data_ptr();
   p.residual_out = residual_out.data_ptr();
+  if (quant != nullptr) {
+    p.scale_out = quant->scales.data_ptr<float>();
+    p.scale_ub = quant->scale_ub.has_value() ? quant->scale_ub->data_ptr<float>() : nullptr;
+    p.scale_col_major = quant->col_major ? 1 : 0;
+    p.scale_ue8m0 = quant->ue8m0 ? 1 : 0;
+  }
   for (int n = 0; n < kMaxWorld; ++n) p.buffers[n] = c.peers[n];
   p.ctrl = c.ctrl;
   p.error_flag = c.error_dev;
@@ -482,6 +529,10 @@ void launch(const Comm& c, const Checked& k, const at::Tensor& expert_out,
     std::vector<at::Tensor> keep = {expert_out, gamma, norm_out, residual_out};
     for (const auto* t : {&permuted_idx, &expert_weights, &shared_out, &residual, &fp8_scale}) {
       if (t->has_value()) keep.push_back(**t);
+    }
+    if (quant != nullptr) {
+      keep.push_back(quant->scales);
+      if (quant->scale_ub.has_value()) keep.push_back(*quant->scale_ub);
     }
     t_pending.push_back(Pending{k.instance, p, stream, c.device, std::move(keep)});
     return;
@@ -532,6 +583,40 @@ std::tuple<at::Tensor, at::Tensor> fused(
   launch(c, k, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
          weight_bias, routed_scaling, fp8_scale, norm_out, residual_out);
   return {norm_out, residual_out};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fp8_dynamic(
+    const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,
+    const std::optional<at::Tensor>& expert_weights, const std::optional<at::Tensor>& shared_out,
+    const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
+    double weight_bias, double routed_scaling, int64_t group_size,
+    const std::optional<at::Tensor>& scale_ub, bool col_major_scales, bool ue8m0, int64_t comm,
+    int64_t algorithm) {
+  const Comm& c = get_comm(comm);
+  TORCH_CHECK_VALUE(c.device.is_cuda(), "arfuse: comm: a CPU communicator cannot run CUDA tensors");
+  const DynamicQuant dq{group_size, &scale_ub, col_major_scales, ue8m0};
+  const Checked k = validate(c, expert_out, permuted_idx, expert_weights, shared_out, residual,
+                             gamma, eps, weight_bias, std::nullopt, algorithm,
+                             /*check_device=*/true, &dq);
+  // Allocated in this order (q, residual_out, scales): the GPU tests poison these blocks first.
+  at::Tensor q = at::empty({k.T, k.H}, expert_out.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor residual_out = at::empty({k.T, k.H}, expert_out.options());
+  const auto f32 = expert_out.options().dtype(at::kFloat);
+  at::Tensor scales;
+  if (k.out == OutKind::kFP8Token) {
+    scales = at::empty({k.T}, f32);
+  } else if (col_major_scales) {
+    // Column-major [T, G]: scale (t, g) at g * T + t, the layout block-FP8 GEMMs read.
+    const int64_t G = k.H / kQuantGroup;
+    scales = at::empty_strided({k.T, G}, {1, k.T}, f32);
+  } else {
+    scales = at::empty({k.T, k.H / kQuantGroup}, f32);
+  }
+  if (k.T == 0) return {q, residual_out, scales};
+  const QuantOut quant{scales, scale_ub, col_major_scales, ue8m0};
+  launch(c, k, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
+         weight_bias, routed_scaling, std::nullopt, q, residual_out, &quant);
+  return {q, residual_out, scales};
 }
 
 void fused_inplace(at::Tensor& input, at::Tensor& residual,
@@ -661,7 +746,8 @@ std::vector<std::string> supported_variants() {
 std::string instance_for(at::ScalarType dtype, int64_t hidden, int64_t world_size,
                          int64_t algorithm, int64_t out_kind) {
   TORCH_CHECK_VALUE(algorithm == 1 || algorithm == 2, "arfuse: algorithm: want 1 or 2");
-  TORCH_CHECK_VALUE(out_kind == 0 || out_kind == 1, "arfuse: out_kind: want 0 or 1");
+  TORCH_CHECK_VALUE(out_kind >= 0 && out_kind <= 3, "arfuse: out_kind: ", out_kind,
+                    " is not one of 0 (norm), 1 (fp8_static), 2 (fp8_token), 3 (fp8_group128)");
   std::string why;
   const Instance* inst =
       find_instance(to_dtype(dtype, "dtype"), static_cast<int>(hidden), static_cast<int>(world_size),

@@ -251,7 +251,59 @@ func (d *doc) group(n *yaml.Node, path string, models []*Model) (*Group, error) 
 	if g.Outs, err = d.outList(f["outputs"], join(path, "outputs")); err != nil {
 		return nil, err
 	}
+	if err := d.checkGroups(g); err != nil {
+		return nil, err
+	}
 	return g, nil
+}
+
+// checkGroups rejects a group that asks for a grouped output kind (fp8_group128) at a hidden
+// size whose specialised plan cannot serve it, at the hidden entry that asked for it.
+func (d *doc) checkGroups(g *Group) error {
+	for _, o := range g.Outs {
+		if o.Group == 0 {
+			continue
+		}
+		for _, h := range g.Hiddens {
+			for _, dt := range g.DTypes {
+				for _, algo := range g.Algos {
+					rule := groupRule(dt, h.Hidden, algo, o)
+					if rule == "" {
+						continue
+					}
+					if h.Model != "" {
+						rule = fmt.Sprintf("hidden %d of this model: %s", h.Hidden, rule)
+					}
+					return &InputError{File: d.file, Line: h.Line, Path: h.Path, Value: h.Value, Rule: rule}
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// groupRule returns why a specialised variant of output kind o (with quantization groups)
+// cannot be built at this hidden size, or "" if it can. The kernel reduces a group's amax over
+// Group/Vec aligned consecutive lanes of one warp (csrc/arfuse/kernel.cuh, write_norm), so the
+// row must be whole groups and each CTA's slice of it, and the threads per token, whole groups
+// of vectors. A hidden size the plan rejects for another reason is left to the plan's error.
+func groupRule(dt *DType, hidden int, algo *Algo, o *OutKind) string {
+	if o.Group == 0 {
+		return ""
+	}
+	if hidden%o.Group != 0 {
+		return fmt.Sprintf("%s needs a hidden size that is a multiple of %d (one FP8 scale per group of %d elements)", o.Name, o.Group, o.Group)
+	}
+	p, err := planSpecialised(dt, hidden, algo)
+	if err != nil {
+		return ""
+	}
+	gv := o.Group / p.Vec
+	if p.Slice%gv != 0 || p.ThreadsPerToken%gv != 0 {
+		return fmt.Sprintf("%s: the %s %s plan gives each CTA %d vectors and %d threads per token, not whole groups of %d vectors (%d elements)",
+			o.Name, dt.Name, algo.Name, p.Slice, p.ThreadsPerToken, gv, o.Group)
+	}
+	return ""
 }
 
 func (d *doc) genericGroup(n *yaml.Node, path string) (*GenericGroup, error) {

@@ -171,7 +171,13 @@ func TestMatrixRejects(t *testing.T) {
 		{"groups:\n  - models: [deepseek-v4]\n    dtypes: [bf16]" + tail, `:2: groups[0].models[0]: "deepseek-v4": unknown model (want one of deepseek-r1, deepseek-v3, gpt-oss-120b, qwen3-235b-a22b, qwen3-30b-a3b)`},
 		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [3]\n    algorithms: [oneshot]\n    outputs: [norm]\n", `:4: groups[0].world_sizes[0]: 3: unsupported world size (want one of 2, 4, 8, 16)`},
 		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [threeshot]\n    outputs: [norm]\n", `:5: groups[0].algorithms[0]: "threeshot": unknown algorithm (want one of oneshot, twoshot)`},
-		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [oneshot]\n    outputs: [fp8]\n", `:6: groups[0].outputs[0]: "fp8": unknown output kind (want one of norm, fp8_static)`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [oneshot]\n    outputs: [fp8]\n", `:6: groups[0].outputs[0]: "fp8": unknown output kind (want one of norm, fp8_static, fp8_token, fp8_group128)`},
+		{"groups:\n  - models: [gpt-oss-120b]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [oneshot]\n    outputs: [norm, fp8_group128]\n",
+			`:2: groups[0].models[0]: "gpt-oss-120b": hidden 2880 of this model: fp8_group128 needs a hidden size that is a multiple of 128 (one FP8 scale per group of 128 elements)`},
+		// 2176 = 17 * 128: the one-shot plan splits the bf16 row over 2 CTAs of 136 vectors, which
+		// cuts a group of 16 vectors in two.
+		{"groups:\n  - hidden: [2048, 2176]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [twoshot, oneshot]\n    outputs: [fp8_group128]\n",
+			`:2: groups[0].hidden[1]: 2176: fp8_group128: the bf16 oneshot plan gives each CTA 136 vectors and 160 threads per token, not whole groups of 16 vectors (128 elements)`},
 		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]" + tail + "generic: yes please\n", `:7: generic: "yes please": want true, false or a list of {dtypes, algorithms, outputs}, got a string`},
 		{"groups:\n  - models: [qwen3-30b-a3b]\n    dtypes: [bf16]" + tail + "  - hidden: [2048, 4096]\n    dtypes: [bf16]" + tail,
 			`:7: groups[1]: "arfuse_bf16_h2048_w8_oneshot_norm": duplicate variant (groups[0] at line 2 produces it too)`},

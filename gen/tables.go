@@ -6,7 +6,7 @@ package main
 
 // apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
 // Every generated C++ file static_asserts on it so that stale output stops compiling.
-const apiVersion = 6
+const apiVersion = 7
 
 // vectorBytes is the width of one vectorised global-memory access.
 const vectorBytes = 16
@@ -53,15 +53,25 @@ var algos = []*Algo{
 	{Name: "twoshot", Enum: "arfuse::Algo::kTwoShot"},
 }
 
-// OutKind is what the kernel writes after the RMSNorm.
+// OutKind is what the kernel writes after the RMSNorm. Index is the value of the
+// arfuse::OutKind enumerator (csrc/arfuse/params.h).
 type OutKind struct {
 	Name string
 	Enum string
+	// Group is the elements per quantization group whose scale the kernel reduces over a few
+	// lanes of one warp (0: none). A specialised plan must keep every group within one CTA's
+	// slice of the row and within one warp (see groupRule).
+	Group int
 }
+
+// quantGroup mirrors arfuse::kQuantGroup in csrc/arfuse/params.h.
+const quantGroup = 128
 
 var outKinds = []*OutKind{
 	{Name: "norm", Enum: "arfuse::OutKind::kNorm"},
 	{Name: "fp8_static", Enum: "arfuse::OutKind::kFP8Static"},
+	{Name: "fp8_token", Enum: "arfuse::OutKind::kFP8Token"},
+	{Name: "fp8_group128", Enum: "arfuse::OutKind::kFP8Group128", Group: quantGroup},
 }
 
 // worldSizes are the tensor-parallel group sizes a specialised instance may be built for
@@ -104,9 +114,12 @@ var ops = []Op{
 		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused"}}},
 	{Name: "fused_inplace", Signature: "(Tensor(a!) input, Tensor(b!) residual, Tensor? shared_out, Tensor gamma, float eps, float weight_bias, float routed_scaling, int comm, int algorithm) -> ()",
 		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused_inplace"}}},
+	{Name: "fused_fp8_dynamic", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, int group_size, Tensor? scale_ub, bool col_major_scales, bool ue8m0, int comm, int algorithm) -> (Tensor, Tensor, Tensor)",
+		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused_fp8_dynamic"}}},
 	{Name: "moe_finalize", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, float routed_scaling, int num_tokens) -> Tensor",
 		Kernels: []OpKernel{{Key: "CUDA", Fn: "moe_finalize"}}},
 	{Name: "validate", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, Tensor? fp8_scale, int comm, int algorithm) -> ()", CatchAll: "validate_fused"},
+	{Name: "validate_fp8_dynamic", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, int group_size, Tensor? scale_ub, bool col_major_scales, bool ue8m0, int comm, int algorithm) -> ()", CatchAll: "validate_fp8_dynamic"},
 	{Name: "validate_finalize", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, int num_tokens) -> ()", CatchAll: "validate_moe_finalize"},
 	{Name: "defer_launches", Signature: "(bool enable) -> ()", CatchAll: "defer_launches"},
 	{Name: "flush_launches", Signature: "(bool launch) -> int", CatchAll: "flush_launches"},

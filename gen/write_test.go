@@ -182,10 +182,14 @@ func TestTablesMatchHeaders(t *testing.T) {
 			t.Errorf("params.h Algo lacks %s", a.Enum)
 		}
 	}
-	for _, o := range outKinds {
-		if !strings.Contains(enum("OutKind"), strings.TrimPrefix(o.Enum, "arfuse::OutKind::")+" =") {
-			t.Errorf("params.h OutKind lacks %s", o.Enum)
+	for i, o := range outKinds {
+		e := strings.TrimPrefix(o.Enum, "arfuse::OutKind::")
+		if !strings.Contains(enum("OutKind"), e+" = "+strconv.Itoa(i)) {
+			t.Errorf("params.h OutKind lacks %s = %d (the output kind table's order)", e, i)
 		}
+	}
+	if m := regexp.MustCompile(`constexpr int kQuantGroup = (\d+);`).FindSubmatch(params); m == nil || string(m[1]) != strconv.Itoa(quantGroup) {
+		t.Errorf("params.h kQuantGroup does not match quantGroup = %d", quantGroup)
 	}
 	declared := func(fn string) bool {
 		return regexp.MustCompile(`\b` + fn + `\(`).Match(opsH)

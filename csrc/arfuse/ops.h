@@ -30,6 +30,17 @@ std::tuple<at::Tensor, at::Tensor> fused(
     const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
     double weight_bias, double routed_scaling, const std::optional<at::Tensor>& fp8_scale,
     int64_t comm, int64_t algorithm);
+// FP8-e4m3 output with dynamic scales computed in the kernel: group_size 0 = one scale per
+// token (optionally bounded by scale_ub), 128 = one per group of 128 elements (row-major
+// [T, H/128], or column-major with strides (1, T); ue8m0 rounds them up to powers of two).
+// Returns (q [T, H] float8_e4m3fn, residual_out [T, H], scales float32 [T] or [T, H/128]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fp8_dynamic(
+    const at::Tensor& expert_out, const std::optional<at::Tensor>& permuted_idx,
+    const std::optional<at::Tensor>& expert_weights, const std::optional<at::Tensor>& shared_out,
+    const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
+    double weight_bias, double routed_scaling, int64_t group_size,
+    const std::optional<at::Tensor>& scale_ub, bool col_major_scales, bool ue8m0, int64_t comm,
+    int64_t algorithm);
 void fused_inplace(at::Tensor& input, at::Tensor& residual,
                    const std::optional<at::Tensor>& shared_out, const at::Tensor& gamma, double eps,
                    double weight_bias, double routed_scaling, int64_t comm, int64_t algorithm);
@@ -45,6 +56,14 @@ void validate_fused(const at::Tensor& expert_out, const std::optional<at::Tensor
                     const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
                     double weight_bias, const std::optional<at::Tensor>& fp8_scale, int64_t comm,
                     int64_t algorithm);
+void validate_fp8_dynamic(const at::Tensor& expert_out,
+                          const std::optional<at::Tensor>& permuted_idx,
+                          const std::optional<at::Tensor>& expert_weights,
+                          const std::optional<at::Tensor>& shared_out,
+                          const std::optional<at::Tensor>& residual, const at::Tensor& gamma,
+                          double eps, double weight_bias, int64_t group_size,
+                          const std::optional<at::Tensor>& scale_ub, bool col_major_scales,
+                          bool ue8m0, int64_t comm, int64_t algorithm);
 void validate_moe_finalize(const at::Tensor& expert_out,
                            const std::optional<at::Tensor>& permuted_idx,
                            const std::optional<at::Tensor>& expert_weights,

@@ -45,13 +45,24 @@ struct Checked {
   const Instance* instance = nullptr;
 };
 
+// The dynamic FP8 request of fused_fp8_dynamic: group_size 0 (per token) or 128 (per group),
+// the per-token upper bound and the per-group scale layout.
+struct DynamicQuant {
+  int64_t group_size = 0;
+  const std::optional<at::Tensor>* scale_ub = nullptr;
+  bool col_major = false;
+  bool ue8m0 = false;
+};
+
+// dq: nullptr for the norm and fp8_static outputs (fp8_scale decides), else the dynamic kind.
 Checked validate(const Comm& c, const at::Tensor& expert_out,
                  const std::optional<at::Tensor>& permuted_idx,
                  const std::optional<at::Tensor>& expert_weights,
                  const std::optional<at::Tensor>& shared_out,
                  const std::optional<at::Tensor>& residual, const at::Tensor& gamma, double eps,
                  double weight_bias,
-                 const std::optional<at::Tensor>& fp8_scale, int64_t algorithm, bool check_device);
+                 const std::optional<at::Tensor>& fp8_scale, int64_t algorithm, bool check_device,
+                 const DynamicQuant* dq = nullptr);
 
 struct FinalizeChecked {
   int64_t T = 0, H = 0, K = 1, P = 0;

@@ -10,7 +10,7 @@ namespace arfuse {
 
 // Bumped whenever LaunchParams, the kernel template's parameters or the launcher signature change.
 // Every generated file static_asserts on it, so stale generated output stops compiling.
-#define ARFUSE_DEVICE_API_VERSION 6
+#define ARFUSE_DEVICE_API_VERSION 7
 
 constexpr int kMaxWorld = 16;   // largest tensor-parallel group a communicator serves
 constexpr int kMaxTopK = 64;    // largest K (experts per token) accepted by the op
@@ -20,9 +20,19 @@ constexpr int kNumSlots = 3;    // Lamport buffers: call c uses slot c % 3 (see 
 enum class DType : int32_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
 // Algorithms. kAuto is resolved on the host from the tuned one-shot/two-shot threshold.
 enum class Algo : int32_t { kAuto = 0, kOneShot = 1, kTwoShot = 2 };
-// Output kinds: kNorm writes norm_out in the activation dtype; kFP8Static writes FP8-e4m3
-// saturate(norm * (1 / scale)) with a float32 per-tensor scale.
-enum class OutKind : int32_t { kNorm = 0, kFP8Static = 1 };
+// Output kinds: kNorm writes norm_out in the activation dtype; the others write FP8-e4m3
+// (saturating) and differ in the scale:
+//   kFP8Static:   saturate(y * (1 / scale)), a float32 per-tensor scale input (fp8_scale);
+//   kFP8Token:    one dynamic scale per token, max(min(amax_t, ub) / 448, 1 / (448 * 512)),
+//                 written to scale_out[t] (vLLM's dynamic per-token FP8 quantization);
+//   kFP8Group128: one dynamic scale per group of 128 consecutive elements, max(amax, 1e-10) / 448
+//                 (optionally rounded up to a power of two), written to scale_out (vLLM's
+//                 per-token-group FP8 quantization with group size 128).
+// y is the float32 RMSNorm output; the dynamic kinds write saturate(y / scale). amax is
+// NaN-propagating: a NaN in the token (group) makes its scale and every code of it NaN.
+enum class OutKind : int32_t { kNorm = 0, kFP8Static = 1, kFP8Token = 2, kFP8Group128 = 3 };
+// Elements per group of OutKind::kFP8Group128.
+constexpr int kQuantGroup = 128;
 // How the routed experts' outputs arrive.
 enum class Layout : int32_t {
   kPlain = 0,     // [T, H], already reduced over experts (K = 1, no weights)
@@ -49,6 +59,7 @@ struct LaunchParams {
   const void* residual;         // [T, H], or nullptr (no residual add)
   const void* gamma;            // [H]
   const float* fp8_scale;       // [1] for OutKind::kFP8Static, else nullptr
+  const float* scale_ub;        // kFP8Token: optional [1] upper bound of amax, else nullptr
   int64_t num_rows;             // P, rows of expert_out in the permuted layout (bounds check)
   int32_t layout;               // Layout
   int32_t weights_f32;          // 1: expert_weights is float32; 0: activation dtype
@@ -62,9 +73,13 @@ struct LaunchParams {
   float weight_bias;            // 0: x * gamma; 1: x * (1 + gamma)
   float routed_scaling;
 
+  int32_t scale_col_major;      // kFP8Group128: 1 = scale (t, g) at g * T + t; 0 = t * G + g
+  int32_t scale_ue8m0;          // kFP8Group128: 1 = each scale rounded up to a power of two
+
   // ---- outputs (device pointers, [T, H]) ----
-  void* norm_out;
+  void* norm_out;               // activation dtype (kNorm) or FP8-e4m3 codes (the other kinds)
   void* residual_out;
+  float* scale_out;             // kFP8Token: [T]; kFP8Group128: [T, H / 128]; else nullptr
 
   // ---- workspace ----
   void* buffers[kMaxWorld];  // every rank's Lamport data buffer (kNumSlots * slot_elems elements)

@@ -4,7 +4,7 @@
 #include "arfuse/ops.h"
 #include "arfuse/params.h"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 6, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 7, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 TORCH_LIBRARY(arfuse, m) {
   m.def("comm_create(int rank, int world_size, int hidden, ScalarType dtype, int max_tokens, int oneshot_max_tokens, int ranks_per_device, Device device, float timeout_s) -> int", &arfuse::ops::comm_create);
@@ -16,8 +16,10 @@ TORCH_LIBRARY(arfuse, m) {
   m.def("comm_info(int comm) -> int[]", &arfuse::ops::comm_info);
   m.def("fused(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, Tensor? fp8_scale, int comm, int algorithm) -> (Tensor, Tensor)");
   m.def("fused_inplace(Tensor(a!) input, Tensor(b!) residual, Tensor? shared_out, Tensor gamma, float eps, float weight_bias, float routed_scaling, int comm, int algorithm) -> ()");
+  m.def("fused_fp8_dynamic(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, int group_size, Tensor? scale_ub, bool col_major_scales, bool ue8m0, int comm, int algorithm) -> (Tensor, Tensor, Tensor)");
   m.def("moe_finalize(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, float routed_scaling, int num_tokens) -> Tensor");
   m.def("validate(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, Tensor? fp8_scale, int comm, int algorithm) -> ()", &arfuse::ops::validate_fused);
+  m.def("validate_fp8_dynamic(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, int group_size, Tensor? scale_ub, bool col_major_scales, bool ue8m0, int comm, int algorithm) -> ()", &arfuse::ops::validate_fp8_dynamic);
   m.def("validate_finalize(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, int num_tokens) -> ()", &arfuse::ops::validate_moe_finalize);
   m.def("defer_launches(bool enable) -> ()", &arfuse::ops::defer_launches);
   m.def("flush_launches(bool launch) -> int", &arfuse::ops::flush_launches);
@@ -29,5 +31,6 @@ TORCH_LIBRARY(arfuse, m) {
 TORCH_LIBRARY_IMPL(arfuse, CUDA, m) {
   m.impl("fused", &arfuse::ops::fused);
   m.impl("fused_inplace", &arfuse::ops::fused_inplace);
+  m.impl("fused_fp8_dynamic", &arfuse::ops::fused_fp8_dynamic);
   m.impl("moe_finalize", &arfuse::ops::moe_finalize);
 }
