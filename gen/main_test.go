@@ -150,7 +150,7 @@ func repoRoot(t *testing.T) {
 
 func TestRealMatrices(t *testing.T) {
 	repoRoot(t)
-	counts := map[string]int{"default": 76, "ci": 18, "full": 300}
+	counts := map[string]int{"default": 92, "ci": 26, "full": 576}
 	for _, m := range []string{"default", "ci", "full"} {
 		args := []string{"--list"}
 		if m != "default" {
@@ -168,7 +168,7 @@ func TestRealMatrices(t *testing.T) {
 			t.Errorf("%s: --list is not sorted", m)
 		}
 		for _, l := range lines {
-			if !regexp.MustCompile(`^arfuse_(bf16|fp16|fp32)_(h\d+_w\d+|generic)_(oneshot|twoshot)_(norm|fp8_static)$`).MatchString(l) {
+			if !regexp.MustCompile(`^arfuse_(bf16|fp16|fp32)_(h\d+_w\d+|generic)_(oneshot|twoshot)_(norm|fp8_static|fp8_token|fp8_group128)$`).MatchString(l) {
 				t.Errorf("%s: odd name %q", m, l)
 			}
 			if m == "ci" && strings.Contains(l, "_h2880_") {
@@ -180,7 +180,7 @@ func TestRealMatrices(t *testing.T) {
 
 func TestOnlyAndList(t *testing.T) {
 	repoRoot(t)
-	code, stdout, _ := runGen(t, "--list", "--only", "arfuse_bf16_h7168_*")
+	code, stdout, _ := runGen(t, "--list", "--only", "arfuse_bf16_h7168_*_norm")
 	want := "arfuse_bf16_h7168_w2_oneshot_norm\narfuse_bf16_h7168_w2_twoshot_norm\narfuse_bf16_h7168_w4_oneshot_norm\n" +
 		"arfuse_bf16_h7168_w4_twoshot_norm\narfuse_bf16_h7168_w8_oneshot_norm\narfuse_bf16_h7168_w8_twoshot_norm\n"
 	if code != 0 || stdout != want {
@@ -188,8 +188,9 @@ func TestOnlyAndList(t *testing.T) {
 	}
 	// Generic instances are names too; several --only are a union.
 	code, stdout, _ = runGen(t, "--list", "--only", "*_generic_*", "--only", "arfuse_fp16_h2880_w2_oneshot_norm")
-	want = "arfuse_bf16_generic_oneshot_norm\narfuse_bf16_generic_twoshot_norm\narfuse_fp16_generic_oneshot_norm\n" +
-		"arfuse_fp16_generic_twoshot_norm\narfuse_fp16_h2880_w2_oneshot_norm\n"
+	want = "arfuse_bf16_generic_oneshot_fp8_group128\narfuse_bf16_generic_oneshot_fp8_token\narfuse_bf16_generic_oneshot_norm\n" +
+		"arfuse_bf16_generic_twoshot_fp8_group128\narfuse_bf16_generic_twoshot_fp8_token\narfuse_bf16_generic_twoshot_norm\n" +
+		"arfuse_fp16_generic_oneshot_norm\narfuse_fp16_generic_twoshot_norm\narfuse_fp16_h2880_w2_oneshot_norm\n"
 	if code != 0 || stdout != want {
 		t.Errorf("exit %d\n%s", code, stdout)
 	}
@@ -205,7 +206,9 @@ func TestOnlyAndList(t *testing.T) {
 		}
 	}
 	slices.Sort(kernels)
-	if strings.Join(kernels, " ") != "kernels/arfuse_bf16_h7168_w8_oneshot_norm.cu kernels/arfuse_bf16_h7168_w8_twoshot_norm.cu" {
+	if strings.Join(kernels, " ") != "kernels/arfuse_bf16_h7168_w8_oneshot_fp8_group128.cu kernels/arfuse_bf16_h7168_w8_oneshot_fp8_token.cu "+
+		"kernels/arfuse_bf16_h7168_w8_oneshot_norm.cu kernels/arfuse_bf16_h7168_w8_twoshot_fp8_group128.cu "+
+		"kernels/arfuse_bf16_h7168_w8_twoshot_fp8_token.cu kernels/arfuse_bf16_h7168_w8_twoshot_norm.cu" {
 		t.Errorf("kernels %v", kernels)
 	}
 }
@@ -299,8 +302,8 @@ func TestByteIdentical(t *testing.T) {
 		}
 	}
 	ta, tb := readTree(t, a), readTree(t, b)
-	if len(ta) != 18+5 {
-		t.Errorf("%d files, want 23", len(ta))
+	if len(ta) != 26+5 {
+		t.Errorf("%d files, want 31", len(ta))
 	}
 	for p, data := range ta {
 		if tb[p] != data {
