@@ -4,6 +4,9 @@
     norm_out, residual_out = arfuse.moe_finalize_allreduce_rmsnorm(
         comm, expert_out, residual, gamma, 1e-6,
         permuted_idx=idx, expert_weights=w, shared_out=shared)
+    # FP8 output with dynamic scales (quant="fp8_token" or "fp8_group128"):
+    q, residual_out, scales = arfuse.moe_finalize_allreduce_rmsnorm(
+        comm, expert_out, residual, gamma, 1e-6, quant="fp8_group128", scale_layout="col")
 
 See README.md and docs/ for the operation's exact definition, the algorithms and their limits.
 """
@@ -12,6 +15,7 @@ from ._lib import is_built, library_path
 from .comm import Communicator
 from .models import models
 from .ops import (
+    QUANT_KINDS,
     instance_for,
     moe_finalize,
     moe_finalize_allreduce_rmsnorm,
@@ -21,6 +25,7 @@ from .ops import (
 )
 
 __all__ = [
+    "QUANT_KINDS",
     "Communicator",
     "instance_for",
     "is_built",

@@ -43,6 +43,32 @@ def fused_cpu(expert_out, permuted_idx, expert_weights, shared_out, residual, ga
                     weight_bias, routed_scaling, fp8_scale)
 
 
+def fused_fp8_dynamic_cpu(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
+                          eps, weight_bias, routed_scaling, group_size, scale_ub, col_major_scales,
+                          ue8m0, comm, algorithm):
+    _check_comm(comm)
+    torch.ops.arfuse.validate_fp8_dynamic(expert_out, permuted_idx, expert_weights, shared_out,
+                                          residual, gamma, eps, weight_bias, group_size, scale_ub,
+                                          col_major_scales, ue8m0, comm, algorithm)
+    dtype = expert_out.dtype
+    T = permuted_idx.shape[0] if permuted_idx is not None else expert_out.shape[0]
+    partial = reference.finalize(expert_out, num_tokens=T, permuted_idx=permuted_idx,
+                                 expert_weights=expert_weights, shared_out=shared_out,
+                                 routed_scaling=routed_scaling).to(dtype)
+    norm, residual_out = reference.allreduce_add_rmsnorm([partial], residual, gamma, eps,
+                                                         weight_bias, dtype)
+    # norm is the float32 y of the kernel. The scale rules are evaluated in float64 and rounded
+    # once to float32 (amax / 448 so rounded is the kernel's float32 division); the codes are
+    # y / scale with that float32 scale, as the kernel divides.
+    _, scales = reference.quantize_fp8_dynamic(norm, group_size, scale_ub, ue8m0)
+    scales = scales.to(torch.float32)
+    q = reference.quantize_fp8_scaled(norm, scales)
+    if col_major_scales:  # [T, G] with strides (1, T), as the CUDA op returns it
+        scales = torch.empty_strided(scales.shape, (1, scales.shape[0]),
+                                     dtype=torch.float32).copy_(scales)
+    return q, residual_out, scales
+
+
 def fused_inplace_cpu(input, residual, shared_out, gamma, eps, weight_bias, routed_scaling, comm,
                       algorithm):
     _check_comm(comm)
@@ -72,4 +98,5 @@ def register() -> None:
     _lib = torch.library.Library("arfuse", "IMPL")
     _lib.impl("fused", fused_cpu, "CPU")
     _lib.impl("fused_inplace", fused_inplace_cpu, "CPU")
+    _lib.impl("fused_fp8_dynamic", fused_fp8_dynamic_cpu, "CPU")
     _lib.impl("moe_finalize", moe_finalize_cpu, "CPU")

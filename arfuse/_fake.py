@@ -41,6 +41,32 @@ def fused_fake(expert_out, permuted_idx, expert_weights, shared_out, residual, g
     return (expert_out.new_empty((T, H), dtype=out_dtype), expert_out.new_empty((T, H), dtype=dtype))
 
 
+def fused_fp8_dynamic_fake(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
+                           eps, weight_bias, routed_scaling, group_size, scale_ub,
+                           col_major_scales, ue8m0, comm, algorithm):
+    dtype, hidden = _comm_dtype_hidden(comm)
+    T, H = _shape(expert_out, permuted_idx, residual)
+    torch._check(expert_out.dtype == dtype,
+                 lambda: f"arfuse: expert_out: dtype {expert_out.dtype} does not match the communicator's {dtype}")
+    torch._check(expert_out.dim() in (2, 3), lambda: f"arfuse: expert_out: want 2 or 3 dims, got {expert_out.dim()}")
+    torch._check(H == hidden, lambda: f"arfuse: hidden size {H} does not match the communicator's {hidden}")
+    torch._check(group_size in (0, 128),
+                 lambda: f"arfuse: group_size: {group_size} is not supported (want 0 or 128)")
+    q = expert_out.new_empty((T, H), dtype=torch.float8_e4m3fn)
+    residual_out = expert_out.new_empty((T, H), dtype=dtype)
+    if group_size == 0:
+        scales = expert_out.new_empty((T,), dtype=torch.float32)
+    else:
+        torch._check(H % 128 == 0,
+                     lambda: f"arfuse: hidden: {H} is not a multiple of group_size=128")
+        G = H // 128
+        if col_major_scales:
+            scales = expert_out.new_empty_strided((T, G), (1, T), dtype=torch.float32)
+        else:
+            scales = expert_out.new_empty((T, G), dtype=torch.float32)
+    return q, residual_out, scales
+
+
 def fused_inplace_fake(input, residual, shared_out, gamma, eps, weight_bias, routed_scaling, comm,
                        algorithm):
     dtype, hidden = _comm_dtype_hidden(comm)
@@ -63,5 +89,6 @@ def register() -> None:
         return
     torch.library.register_fake("arfuse::fused", fused_fake)
     torch.library.register_fake("arfuse::fused_inplace", fused_inplace_fake)
+    torch.library.register_fake("arfuse::fused_fp8_dynamic", fused_fp8_dynamic_fake)
     torch.library.register_fake("arfuse::moe_finalize", moe_finalize_fake)
     _registered = True

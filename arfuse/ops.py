@@ -31,38 +31,95 @@ def _handle(comm) -> int:
     raise TypeError(f"arfuse: comm: want an arfuse.Communicator, got {type(comm).__name__}")
 
 
+# The quantized output kinds of moe_finalize_allreduce_rmsnorm(quant=...).
+QUANT_KINDS = ("fp8_static", "fp8_token", "fp8_group128")
+_QUANTS = QUANT_KINDS
+_SCALE_LAYOUTS = ("row", "col")
+_OUTPUTS = {"norm": 0, "fp8_static": 1, "fp8_token": 2, "fp8_group128": 3}
+
+
+def _quant_kind(quant, fp8_scale, scale_ub, scale_layout, scale_ue8m0):
+    """The output kind asked for (None: norm), with every argument checked against it."""
+    if quant is None and fp8_scale is not None:
+        quant = "fp8_static"  # fp8_scale alone means static per-tensor FP8, as before
+    if quant is not None and quant not in _QUANTS:
+        raise ValueError(f"arfuse: quant: {quant!r} is not one of {list(_QUANTS)} (or None)")
+    if quant == "fp8_static" and fp8_scale is None:
+        raise ValueError("arfuse: fp8_scale: quant='fp8_static' needs a float32 one-element scale")
+    if quant in ("fp8_token", "fp8_group128") and fp8_scale is not None:
+        raise ValueError(f"arfuse: fp8_scale: only for quant='fp8_static'; quant={quant!r} "
+                         "computes its scales in the kernel")
+    if scale_ub is not None and quant != "fp8_token":
+        raise ValueError(f"arfuse: scale_ub: an upper bound of per-token scales, only for "
+                         f"quant='fp8_token' (got quant={quant!r})")
+    if scale_layout not in _SCALE_LAYOUTS:
+        raise ValueError(f"arfuse: scale_layout: {scale_layout!r} is not one of {list(_SCALE_LAYOUTS)}")
+    if scale_layout != "row" and quant != "fp8_group128":
+        raise ValueError(f"arfuse: scale_layout: {scale_layout!r} is only for quant='fp8_group128' "
+                         f"(got quant={quant!r})")
+    if scale_ue8m0 and quant != "fp8_group128":
+        raise ValueError(f"arfuse: scale_ue8m0: power-of-two scales are only for "
+                         f"quant='fp8_group128' (got quant={quant!r})")
+    return quant
+
+
 def moe_finalize_allreduce_rmsnorm(comm, expert_out, residual, gamma, eps, *, permuted_idx=None,
                                    expert_weights=None, shared_out=None, routed_scaling=1.0,
                                    weight_bias=0.0, inplace=False, algorithm="auto",
-                                   fp8_scale=None):
+                                   fp8_scale=None, quant=None, scale_ub=None, scale_layout="row",
+                                   scale_ue8m0=False):
     """MoE finalize + shared add + all-reduce + residual + RMSNorm, fused. Returns
-    (norm_out, residual_out), both [T, H].
+    (norm_out, residual_out), both [T, H]; with a dynamic FP8 quant, (q, residual_out, scales).
 
     partial[t] = routed_scaling * sum_k w[t, k] * row(t, k) + shared_out[t]   (float32, rounded
     once to the activation dtype for transport); sum[t] = partials summed in rank order;
-    residual_out[t] = sum[t] + residual[t]; norm_out[t] = residual_out[t] *
-    rsqrt(mean(residual_out[t]^2) + eps) * (gamma + weight_bias).
+    residual_out[t] = sum[t] + residual[t]; y[t] = residual_out[t] *
+    rsqrt(mean(residual_out[t]^2) + eps) * (gamma + weight_bias) in float32; norm_out = y
+    rounded to the activation dtype.
 
     residual: [T, H], or None for no residual add (residual_out is then the all-reduced sum).
     expert_out: [T, H] (plain, already reduced), [T, K, H] (dense) or [P, H] rows addressed by
     permuted_idx [T, K] int32 (-1: expert not on this rank). expert_weights [T, K]: float32 or
     the activation dtype (None: 1). inplace (plain layout only): norm_out is written into
     expert_out and residual_out into residual, as vLLM's fused_add_rms_norm does.
-    algorithm: "auto" (by token count), "oneshot" or "twoshot". fp8_scale: a float32 one-element
-    tensor; norm_out is then FP8-e4m3 saturate(norm / scale).
+    algorithm: "auto" (by token count), "oneshot" or "twoshot".
+
+    FP8-e4m3 outputs (residual_out stays in the activation dtype). saturate(x) rounds x to the
+    nearest e4m3 value (ties to even), clamped to +-448; NaN stays NaN. amax is max |y| over the
+    token (group), NaN-propagating: a NaN in it makes its scale and all its codes NaN.
+
+    - quant="fp8_static" (or fp8_scale alone): fp8_scale is a float32 one-element tensor;
+      norm_out = saturate(y * (1 / scale)) (vLLM's static per-tensor FP8).
+    - quant="fp8_token": one scale per token (vLLM's dynamic per-token FP8):
+      amax_t = min(amax_t, scale_ub) when scale_ub (float32, one element, same device) is given;
+      scale_t = max(amax_t / 448, 1 / (448 * 512)); q = saturate(y / scale_t).
+      scales: float32 [T].
+    - quant="fp8_group128": one scale per group of 128 consecutive elements of a token (vLLM's
+      per_token_group_quant_fp8, group size 128; H must be a multiple of 128):
+      scale = max(amax, 1e-10) / 448, with scale_ue8m0=True rounded up to a power of two
+      (2^ceil(log2 scale)); q = saturate(y / scale). scales: float32 [T, H / 128], row-major
+      (scale_layout="row") or column-major (scale_layout="col": strides (1, T), the layout
+      block-FP8 GEMMs read).
+    The scale rules are evaluated in float32 on y, with a true division y / scale.
     """
     _lib.require()
     handle = _handle(comm)
     algo = _algorithm(algorithm)
+    kind = _quant_kind(quant, fp8_scale, scale_ub, scale_layout, scale_ue8m0)
     if inplace:
         if permuted_idx is not None or expert_weights is not None or expert_out.dim() != 2:
             raise ValueError("arfuse: inplace: needs the plain layout (expert_out [T, H], no "
                              "permuted_idx, no expert_weights)")
-        if fp8_scale is not None:
+        if kind is not None:
             raise ValueError("arfuse: inplace: the FP8 output cannot be written into the input")
         torch.ops.arfuse.fused_inplace(expert_out, residual, shared_out, gamma, float(eps),
                                        float(weight_bias), float(routed_scaling), handle, algo)
         return expert_out, residual
+    if kind in ("fp8_token", "fp8_group128"):
+        return torch.ops.arfuse.fused_fp8_dynamic(
+            expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, float(eps),
+            float(weight_bias), float(routed_scaling), 0 if kind == "fp8_token" else 128,
+            scale_ub, scale_layout == "col", bool(scale_ue8m0), handle, algo)
     return torch.ops.arfuse.fused(expert_out, permuted_idx, expert_weights, shared_out, residual,
                                   gamma, float(eps), float(weight_bias), float(routed_scaling),
                                   fp8_scale, handle, algo)
@@ -87,15 +144,15 @@ def _dtype(dtype) -> torch.dtype:
 
 def instance_for(dtype, hidden: int, world_size: int, algorithm: str = "oneshot",
                  output: str = "norm") -> str | None:
-    """Name of the kernel instance that serves this combination (specialised or generic), or None."""
+    """Name of the kernel instance that serves this combination (specialised or generic), or None.
+    output: "norm", "fp8_static", "fp8_token" or "fp8_group128"."""
     _lib.require()
     algo = _algorithm(algorithm)
     if algo == 0:
         raise ValueError("arfuse: algorithm: instance_for wants 'oneshot' or 'twoshot'")
-    outs = {"norm": 0, "fp8_static": 1}
-    if output not in outs:
-        raise ValueError(f"arfuse: output: {output!r} is not one of {sorted(outs)}")
-    name = torch.ops.arfuse.instance_for(_dtype(dtype), hidden, world_size, algo, outs[output])
+    if output not in _OUTPUTS:
+        raise ValueError(f"arfuse: output: {output!r} is not one of {list(_OUTPUTS)}")
+    name = torch.ops.arfuse.instance_for(_dtype(dtype), hidden, world_size, algo, _OUTPUTS[output])
     return name or None
 
 

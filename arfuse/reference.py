@@ -65,6 +65,100 @@ def quantize_fp8_static(norm, scale):
     return y.to(torch.float8_e4m3fn)
 
 
+# ---- FP8-e4m3 with dynamic scales (OutKind kFP8Token / kFP8Group128) -----------------------------
+# y is the float32 RMSNorm output (norm_out before rounding to the activation dtype). Every rule
+# is evaluated in float64; the kernel evaluates the same rules in float32 (true division
+# y / scale). NaN propagates through amax: a NaN anywhere in a token (group) makes its amax, its
+# scale and all of its codes NaN.
+
+FP8_MAX = 448.0                      # largest finite float8_e4m3fn
+FP8_TOKEN_MIN_SCALE = 1.0 / (448.0 * 512.0)
+FP8_GROUP_MIN_AMAX = 1e-10
+FP8_GROUP = 128
+
+
+def float32_range(y):
+    """y (float64) with the values float32 cannot hold made +-Inf, as the kernel's float32 y
+    overflows (a huge gamma element): the dynamic FP8 rules apply to y as float32 defines it."""
+    y = y.double()
+    limit = (2.0 - 2.0 ** -24) * 2.0 ** 127  # the smallest magnitude that rounds to Inf
+    inf = torch.full_like(y, float("inf"))
+    return torch.where(y.abs() >= limit, torch.copysign(inf, y), y)
+
+
+def saturate_e4m3(x):
+    """FP8-e4m3 codes of x: clamped to +-448, rounded to nearest even, NaN stays NaN."""
+    x = x.double()
+    x = torch.where(torch.isnan(x), x, x.clamp(-FP8_MAX, FP8_MAX))
+    return x.to(torch.float8_e4m3fn)
+
+
+def _amax(x, dim):
+    """max |x| over dim, NaN-propagating (torch.amax propagates NaN; an empty dim gives 0)."""
+    return x.abs().amax(dim=dim)
+
+
+def fp8_token_scales(y, scale_ub=None):
+    """Per-token scales (vLLM's dynamic_per_token_scaled_fp8_quant), float64 [T]:
+    amax_t = max_j |y[t, j]|; amax_t = min(amax_t, ub) when scale_ub is given;
+    scale_t = max(amax_t / 448, 1 / (448 * 512)). NaN-propagating throughout."""
+    y = y.double()
+    amax = _amax(y, -1)
+    if scale_ub is not None:
+        amax = torch.minimum(amax, scale_ub.double().reshape(()).to(amax.device))
+    floor = torch.tensor(FP8_TOKEN_MIN_SCALE, dtype=torch.float64, device=y.device)
+    return torch.maximum(amax / FP8_MAX, floor)
+
+
+def ue8m0(scales):
+    """Each scale rounded up to a power of two, 2^ceil(log2(s)), exactly (frexp, no log2);
+    NaN, Inf and 0 unchanged."""
+    s = scales.double()
+    m, e = torch.frexp(s)
+    up = torch.ldexp(torch.ones_like(s), (e - (m == 0.5).to(e.dtype)).to(torch.float64))
+    return torch.where(torch.isfinite(s) & (s > 0), up, s)
+
+
+def fp8_group_scales(y, group_size=FP8_GROUP, ue8m0_scales=False):
+    """Per-token-group scales (vLLM's per_token_group_quant_fp8), float64 [T, H / group_size]:
+    scale = max(amax, 1e-10) / 448 over each group of group_size consecutive elements of a
+    row; ue8m0_scales: rounded up to a power of two. NaN-propagating."""
+    y = y.double()
+    T, H = y.shape
+    if H % group_size != 0:
+        raise ValueError(f"hidden {H} is not a multiple of group_size {group_size}")
+    amax = _amax(y.reshape(T, H // group_size, group_size), -1)
+    floor = torch.tensor(FP8_GROUP_MIN_AMAX, dtype=torch.float64, device=y.device)
+    s = torch.maximum(amax, floor) / FP8_MAX
+    return ue8m0(s) if ue8m0_scales else s
+
+
+def quantize_fp8_scaled(y, scales):
+    """saturate_e4m3(y / scale) in float64, scales [T] (per token) or [T, G] (per group of
+    H / G consecutive elements)."""
+    y = y.double()
+    T, H = y.shape
+    s = scales.double()
+    if s.dim() == 1:
+        return saturate_e4m3(y / s.reshape(T, 1))
+    G = s.shape[1]
+    q = y.reshape(T, G, H // G) / s.reshape(T, G, 1)
+    return saturate_e4m3(q.reshape(T, H))
+
+
+def quantize_fp8_dynamic(y, group_size=0, scale_ub=None, ue8m0_scales=False):
+    """The dynamic FP8 outputs of y: (codes float8_e4m3fn [T, H], scales float64 [T] for
+    group_size 0 (per token, optional scale_ub) or [T, H / 128] for group_size 128 (row-major;
+    ue8m0_scales: powers of two))."""
+    if group_size == 0:
+        s = fp8_token_scales(y, scale_ub)
+    elif group_size == FP8_GROUP:
+        s = fp8_group_scales(y, group_size, ue8m0_scales)
+    else:
+        raise ValueError(f"group_size {group_size}: want 0 or {FP8_GROUP}")
+    return quantize_fp8_scaled(y, s), s
+
+
 def allreduce_add_rmsnorm(partials, residual, gamma, eps, weight_bias, dtype, acc=torch.float32):
     """Rank-ordered sum of the (already rounded) partials, + residual, RMSNorm.
 
