@@ -64,8 +64,7 @@ def fused_fp8_dynamic_cpu(expert_out, permuted_idx, expert_weights, shared_out, 
     scales = scales.to(torch.float32)
     q = reference.quantize_fp8_scaled(norm, scales)
     if col_major_scales:  # [T, G] with strides (1, T), as the CUDA op returns it
-        scales = torch.empty_strided(scales.shape, (1, scales.shape[0]),
-                                     dtype=torch.float32).copy_(scales)
+        scales = torch.empty((scales.shape[1], scales.shape[0]), dtype=torch.float32).t().copy_(scales)
     return q, residual_out, scales
 
 

@@ -61,7 +61,7 @@ def fused_fp8_dynamic_fake(expert_out, permuted_idx, expert_weights, shared_out,
                      lambda: f"arfuse: hidden: {H} is not a multiple of group_size=128")
         G = H // 128
         if col_major_scales:
-            scales = expert_out.new_empty_strided((T, G), (1, T), dtype=torch.float32)
+            scales = expert_out.new_empty((G, T), dtype=torch.float32).t()  # strides (1, T)
         else:
             scales = expert_out.new_empty((T, G), dtype=torch.float32)
     return q, residual_out, scales

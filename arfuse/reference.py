@@ -90,7 +90,9 @@ def saturate_e4m3(x):
     """FP8-e4m3 codes of x: clamped to +-448, rounded to nearest even, NaN stays NaN."""
     x = x.double()
     x = torch.where(torch.isnan(x), x, x.clamp(-FP8_MAX, FP8_MAX))
-    return x.to(torch.float8_e4m3fn)
+    # Through float32, as torch converts a double to e4m3 anyway (c10::Float8_e4m3fn converts
+    # from float): a double within 2^-24 of an e4m3 tie may round one code differently.
+    return x.to(torch.float32).to(torch.float8_e4m3fn)
 
 
 def _amax(x, dim):

@@ -606,9 +606,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_fp8_dynamic(
   if (k.out == OutKind::kFP8Token) {
     scales = at::empty({k.T}, f32);
   } else if (col_major_scales) {
-    // Column-major [T, G]: scale (t, g) at g * T + t, the layout block-FP8 GEMMs read.
-    const int64_t G = k.H / kQuantGroup;
-    scales = at::empty_strided({k.T, G}, {1, k.T}, f32);
+    // Column-major [T, G]: scale (t, g) at g * T + t, the layout block-FP8 GEMMs read (strides
+    // (1, T); a [G, T] tensor transposed, as vLLM's per_token_group_quant_fp8 allocates it).
+    scales = at::empty({k.H / kQuantGroup, k.T}, f32).t();
   } else {
     scales = at::empty({k.T, k.H / kQuantGroup}, f32);
   }

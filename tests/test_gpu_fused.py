@@ -60,9 +60,14 @@ def run_and_check(groups, case: Case, fp8_scale=None):
     except AssertionError as e:
         raise AssertionError(f"{e} (seed {seed})") from None
     algo = case.algorithm
-    _RESULTS.append({"case": str(case), "dtype": str(case.dtype).replace("torch.", ""),
-                     "world": case.world, "hidden": case.hidden, "tokens": case.tokens,
-                     "algorithm": algo, "layout": case.layout, **errs})
+    entry = {"case": str(case), "dtype": str(case.dtype).replace("torch.", ""),
+             "world": case.world, "hidden": case.hidden, "tokens": case.tokens,
+             "algorithm": algo, "layout": case.layout, **errs}
+    if case.quant:
+        # norm_out: worst FP8 code distance (ulp); scales: worst relative error of the scales.
+        entry.update(quant=case.quant, scale_layout="col" if case.scale_col else "row",
+                     ue8m0=case.ue8m0, scale_ub=case.scale_ub)
+    _RESULTS.append(entry)
     assert group.status() == [0] * case.world
     return outs, inputs
 
@@ -216,6 +221,150 @@ def test_fp8_static(groups, shape, algorithm):
     scale = torch.tensor([0.02], device="cuda")
     run_and_check(groups, Case(world, hidden, torch.bfloat16, 50, "permuted", 8, "f32", True, 1.0,
                                absent=0.2, fp8=True, algorithm=algorithm), fp8_scale=scale)
+
+
+# ---- FP8 with dynamic scales: per token (fp8_token) and per group of 128 (fp8_group128) ---------
+# Codes within one ulp of the float64 rules applied to the op's own residual_out, scales within
+# float32 error of them (fused_cases.SCALE_RTOL), NaN where the reference is NaN, every output
+# poisoned before the run and bitwise identical on every rank; residual_out as everywhere.
+DYN_KINDS = [  # quant, scale_ub, column-major scales, ue8m0
+    ("fp8_token", None, False, False),
+    ("fp8_token", 4.0, False, False),  # bounds the amax of some tokens, not of others
+    ("fp8_group128", None, False, False),
+    ("fp8_group128", None, True, False),
+    ("fp8_group128", None, False, True),
+    ("fp8_group128", None, True, True),
+]
+
+
+def _dyn_id(k) -> str:
+    quant, ub, col, ue8m0 = k
+    return quant + (f"-ub{ub}" if ub is not None else "") + ("-col" if col else "") + \
+        ("-ue8m0" if ue8m0 else "")
+
+
+def _dyn_case(world, hidden, tokens, kind, algorithm, **kw) -> Case:
+    quant, ub, col, ue8m0 = kind
+    args = dict(layout="permuted", topk=8, weights="f32", shared=True, routed_scaling=2.5,
+                absent=0.2, algorithm=algorithm, quant=quant, scale_ub=ub, scale_col=col,
+                ue8m0=ue8m0)
+    args.update(kw)
+    return Case(world, hidden, torch.bfloat16, tokens, **args)
+
+
+GROUP_RULE = r"hidden: 2880 is not a multiple of group_size=128 \(per-group FP8 scales need whole groups"
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("hidden", [2880, 2048, 4096, 7168, 1152])
+@pytest.mark.parametrize("kind", DYN_KINDS, ids=_dyn_id)
+def test_fp8_dynamic(groups, kind, hidden, world, algorithm):
+    # 1152 = 9 * 128: a multiple of 128 that no matrix specialises (generic path).
+    case = _dyn_case(world, hidden, 37, kind, algorithm, weight_bias=1.0 if world == 4 else 0.0,
+                     gamma_f32=hidden == 4096)
+    if kind[0] == "fp8_group128" and hidden % 128:
+        group = groups(world, hidden, torch.bfloat16)
+        with pytest.raises(ValueError, match=GROUP_RULE):
+            run_case(group, case, new_seed())
+        assert group.status() == [0] * world
+        return
+    name = arfuse.instance_for(torch.bfloat16, hidden, world, algorithm, kind[0])
+    assert name is not None and name.endswith(f"_{algorithm}_{kind[0]}")
+    run_and_check(groups, case)
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot", "auto"])
+@pytest.mark.parametrize("tokens", [0, 1, 3, 129, MAX_TOKENS])
+@pytest.mark.parametrize("kind", [DYN_KINDS[1], DYN_KINDS[5]], ids=_dyn_id)
+def test_fp8_dynamic_token_counts(groups, kind, tokens, algorithm):
+    outs, _ = run_and_check(groups, _dyn_case(8, 7168, tokens, kind, algorithm))
+    assert all(o[0].shape == (tokens, 7168) for o in outs)
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("kind", [DYN_KINDS[0], DYN_KINDS[1], DYN_KINDS[3], DYN_KINDS[4]], ids=_dyn_id)
+@pytest.mark.parametrize("shape", [(8, 7168), (2, 2048), (4, 1152)], ids=lambda s: f"w{s[0]}-h{s[1]}")
+def test_fp8_dynamic_special_values(groups, shape, kind, algorithm):
+    """-0.0, subnormals, a NaN (token 1: its scale and every code NaN), an Inf (token 2: the
+    sum of squares is Inf, y is NaN at the Inf and 0 elsewhere: per token all NaN; per group
+    the Inf's group NaN, the others at the 1e-10 floor with zero codes)."""
+    world, hidden = shape
+    outs, _ = run_and_check(groups, _dyn_case(world, hidden, 9, kind, algorithm, layout="dense",
+                                              topk=4, absent=0.0, specials=True))
+    q, _, sc = outs[0]
+    assert torch.isnan(q[1].float()).all() and torch.isnan(sc[1]).all()
+    assert torch.isnan(sc[2]).any()
+    if kind[0] == "fp8_token":
+        assert torch.isnan(q[2].float()).all()
+    else:  # the Inf is in column 3: group 0
+        assert torch.isnan(q[2, :128].float()).all() and not torch.isnan(q[2, 128:].float()).any()
+
+
+@pytest.mark.parametrize("kind", [DYN_KINDS[1], DYN_KINDS[5]], ids=_dyn_id)
+@pytest.mark.parametrize("shape", [(8, 1152), (4, 1152)], ids=lambda s: f"w{s[0]}-h{s[1]}")
+def test_fp8_dynamic_oneshot_equals_twoshot(groups, shape, kind):
+    """Bitwise equal where both algorithms reduce the sum of squares in the same order: the
+    generic instances (1152 is specialised by no matrix). Specialised one-shot and two-shot plans
+    differ (a 4-CTA cluster against one 448-thread CTA at 7168), so their float32 sums of squares,
+    and with them y and the scales, may differ in the last bit; each is checked on its own."""
+    world, hidden = shape
+    for algo in ("oneshot", "twoshot"):
+        assert arfuse.instance_for(torch.bfloat16, hidden, world, algo, kind[0]) == \
+            f"arfuse_bf16_generic_{algo}_{kind[0]}"
+    group = groups(world, hidden, torch.bfloat16)
+    seed = new_seed()
+    res = {}
+    for algo in ("oneshot", "twoshot"):
+        outs, _ = run_case(group, _dyn_case(world, hidden, 77, kind, algo), seed)
+        res[algo] = outs[0]
+    for i, what in enumerate(("q", "residual_out", "scales")):
+        assert torch.equal(bits(res["oneshot"][i]), bits(res["twoshot"][i])), f"{what}, seed {seed}"
+
+
+def test_fp8_dynamic_errors_before_launch(groups):
+    """Bad arguments raise on the host and launch nothing; T = 0 returns empty outputs."""
+    world, hidden, dtype = 2, 2880, torch.bfloat16
+    group = groups(world, hidden, dtype)
+    comm = group.comms[0]
+    dev = group.device
+    T = 8
+    x = torch.randn(T, hidden, device=dev, dtype=dtype)
+    g = torch.ones(hidden, device=dev, dtype=dtype)
+
+    def call(y=x, **kw):
+        return arfuse.moe_finalize_allreduce_rmsnorm(comm, y, y, g, 1e-6, **kw)
+
+    torch.ops.arfuse.defer_launches(True)
+    try:
+        with pytest.raises(ValueError, match=GROUP_RULE):
+            call(quant="fp8_group128")
+        with pytest.raises(ValueError, match="scale_ub: is on cpu but the communicator is on cuda"):
+            call(quant="fp8_token", scale_ub=torch.ones(1))
+        with pytest.raises(TypeError, match=r"scale_ub: dtype Double \(want float32\)"):
+            call(quant="fp8_token", scale_ub=torch.ones(1, dtype=torch.float64, device=dev))
+        with pytest.raises(ValueError, match="scale_ub: want one element"):
+            call(quant="fp8_token", scale_ub=torch.ones(2, device=dev))
+        q, r, s = call(x[:0], quant="fp8_token")
+        assert q.shape == (0, hidden) and q.dtype == torch.float8_e4m3fn and r.shape == (0, hidden)
+        assert s.shape == (0,) and s.dtype == torch.float32 and s.device == dev
+        assert torch.ops.arfuse.flush_launches(False) == 0, "an error or T = 0 queued a launch"
+    finally:
+        torch.ops.arfuse.defer_launches(False)
+    with LocalGroup(2, max_tokens=8, hidden=1152, dtype=dtype) as g2:
+        y = torch.randn(0, 1152, device=dev, dtype=dtype)
+        _, _, s = arfuse.moe_finalize_allreduce_rmsnorm(
+            g2.comms[0], y, y, torch.ones(1152, device=dev, dtype=dtype), 1e-6,
+            quant="fp8_group128", scale_layout="col")
+        assert s.shape == (0, 9)
+    if arfuse.instance_for(torch.float16, 4096, 4, "oneshot", "fp8_token") is None:
+        fgroup = groups(4, 4096, torch.float16)
+        z = torch.randn(T, 4096, device=dev, dtype=torch.float16)
+        with pytest.raises(ValueError, match=r"no kernel instance serves \(dtype fp16, hidden 4096, "
+                           r"world size 4, algorithm oneshot, output fp8_token\)"):
+            arfuse.moe_finalize_allreduce_rmsnorm(fgroup.comms[0], z, z, torch.ones_like(z[0]),
+                                                  1e-6, quant="fp8_token", algorithm="oneshot")
+    assert group.status() == [0] * world
 
 
 # ---- the standalone finalize kernel (the unfused pipeline's first step) -------------------------
