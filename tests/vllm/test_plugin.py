@@ -70,7 +70,9 @@ def probe(site, tmp_path, **env):
 
 def test_off_by_default(site, tmp_path):
     got = probe(site, tmp_path)
-    assert got["entry_points"] == [declared_entry_point() or ENTRY_POINT]
+    # The set: an arfuse.egg-info in the repository (left by building the wheel) declares the
+    # same entry point a second time.
+    assert set(got["entry_points"]) == {declared_entry_point() or ENTRY_POINT}
     assert got["registered"] is False
     assert not got["configure_hooked"] and not got["hash_hooked"]
     assert got["worker_hooked"] is not True
