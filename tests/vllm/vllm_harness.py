@@ -61,6 +61,58 @@ def require_arfuse() -> Any:
     return arfuse
 
 
+# ---- vLLM's FP8 quant kernels, on the CPU --------------------------------------------------------
+
+_quant_lib: Any = None
+
+# Schemas as vLLM 0.26.0's kernel library (_C_stable_libtorch.abi3.so) declares them.
+_QUANT_SCHEMAS = {
+    "static_scaled_fp8_quant": (
+        "static_scaled_fp8_quant(Tensor! result, Tensor input, Tensor scale, "
+        "int[]? group_shape=None) -> ()"
+    ),
+    "dynamic_per_token_scaled_fp8_quant": (
+        "dynamic_per_token_scaled_fp8_quant(Tensor! result, Tensor input, Tensor! scale, "
+        "Tensor? scale_ub) -> ()"
+    ),
+}
+
+
+def cpu_quant_ops() -> None:
+    """Stand-ins for vLLM's FP8 quant kernels torch.ops._C.static_scaled_fp8_quant and
+    _C.dynamic_per_token_scaled_fp8_quant where the kernel library is not loaded (no GPU driver):
+    the same schemas, CPU implementations of vLLM's semantics (x * (1 / scale), clamped to
+    +-448; per-token scale max(amax, ...) / 448 with vLLM's lower bound 1 / (448 * 512)). They let
+    vLLM's own code path for the custom quant op (QuantFP8.forward_cuda ->
+    vllm._custom_ops.scaled_fp8_quant) run and be traced. Defined once per process, and only
+    for the ops that are missing."""
+    global _quant_lib
+    missing = [n for n in _QUANT_SCHEMAS if not hasattr(torch.ops._C, n)]
+    if not missing:
+        return
+    lib = torch.library.Library("_C", "FRAGMENT")
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+
+    def static(result, input, scale, group_shape=None):
+        y = input.float() * scale.float().reciprocal()
+        result.copy_(y.clamp(-fp8_max, fp8_max).to(result.dtype))
+
+    def per_token(result, input, scale, scale_ub=None):
+        amax = input.float().abs().amax(dim=-1, keepdim=True)
+        if scale_ub is not None:
+            amax = amax.clamp(max=scale_ub.float())
+        s = (amax / fp8_max).clamp(min=1.0 / (fp8_max * 512.0))
+        scale.copy_(s.view(scale.shape))
+        result.copy_((input.float() * s.reciprocal()).clamp(-fp8_max, fp8_max).to(result.dtype))
+
+    impls = {"static_scaled_fp8_quant": static, "dynamic_per_token_scaled_fp8_quant": per_token}
+    for name in missing:
+        lib.define(_QUANT_SCHEMAS[name])
+        lib.impl(name, impls[name], "CompositeExplicitAutograd")
+        torch.library.register_fake(f"_C::{name}", lambda *args, **kwargs: None, lib=lib)
+    _quant_lib = lib
+
+
 # ---- models --------------------------------------------------------------------------------------
 
 
@@ -175,7 +227,16 @@ def model_dir(root: Path, spec: ModelSpec) -> Path:
     return d
 
 
-def vllm_config(root: Path, spec: ModelSpec, dtype: torch.dtype, **compilation: Any) -> Any:
+def vllm_config(
+    root: Path,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    *,
+    passes: dict[str, Any] | None = None,
+    **compilation: Any,
+) -> Any:
+    """vLLM's config for `spec` on the CPU; `passes` sets PassConfig fields, `compilation`
+    CompilationConfig fields."""
     from vllm.config import CompilationConfig, DeviceConfig, ModelConfig, VllmConfig
     from vllm.config.compilation import PassConfig
 
@@ -188,7 +249,7 @@ def vllm_config(root: Path, spec: ModelSpec, dtype: torch.dtype, **compilation: 
         model_config=model_config,
         device_config=DeviceConfig(device="cpu"),
         compilation_config=CompilationConfig(
-            pass_config=PassConfig(eliminate_noops=True), **compilation
+            pass_config=PassConfig(eliminate_noops=True, **(passes or {})), **compilation
         ),
     )
 
@@ -391,6 +452,15 @@ def fused_calls(graph: torch.fx.Graph) -> list[tuple[Any, ...]]:
     return sorted(out)
 
 
+def fp8_scale_args(graph: torch.fx.Graph) -> list[str | None]:
+    """The fp8_scale argument of each arfuse.fused call (the node's name, None without one)."""
+    return sorted(
+        (str(n.args[9]) if n.args[9] is not None else None for n in graph.nodes
+         if op_name(n) == "arfuse::fused"),
+        key=str,
+    )
+
+
 class GraphRecorder:
     """Test instrumentation placed in vLLM's pass list: copies the graph at its position."""
 
@@ -477,6 +547,13 @@ def compile_with_pass_manager(
             "post_grad_custom_post_pass": pm,
             "pre_grad_custom_pass": VllmIRInplaceFunctionalizationPass(config),
             "force_disable_caches": True,
+            # vLLM's CompilationConfig turns auto-functionalization v2 off for its fusion passes
+            # (mutating ops then reach the passes as auto_functionalized, v1).
+            **{
+                k: v
+                for k, v in config.compilation_config.inductor_compile_config.items()
+                if k == "enable_auto_functionalized_v2"
+            },
         }
         with pass_context(Range(*compile_range)):
             return compile_fx(gm, example_inputs, config_patches=patches)
