@@ -16,7 +16,11 @@ weight_bias 0 and 1 (Gemma):
   one torch.ops.arfuse.fused call on the plain [T, H] input;
 * the MoE tail as vLLM's MoERunner.forward leaves it (fused * routed_scaling + shared, with
   fused/shared the outputs of torch.ops.vllm.moe_forward_shared or moe_forward) -> all_reduce ->
-  fused_add_rms_norm by one arfuse.fused call with the scaling and the shared add folded in.
+  fused_add_rms_norm by one arfuse.fused call with the scaling and the shared add folded in;
+* any of these followed by vLLM's static per-tensor FP8 quantization of the norm output
+  (kFp8StaticTensorSym, the input quantization of an FP8 linear layer with a static activation
+  scale) by one arfuse.fused call with FP8 output (fp8_scale = the quant's scale); see
+  fold_static_fp8_quant for the forms matched and the rounding difference.
 
 vLLM 0.26.0 never hands the unfinalized MoE output (permuted rows + index map + weights) to the
 graph: the finalize runs inside the opaque moe_forward ops, and UnfinalizedMoEOutput does not exist
@@ -81,6 +85,12 @@ _FUSED_ADD_RMS_NORM = "vllm_ir::fused_add_rms_norm"
 _MOE_FORWARD = "vllm::moe_forward"
 _MOE_FORWARD_SHARED = "vllm::moe_forward_shared"
 _AUTO_FUNCTIONALIZED = (auto_functionalized, auto_functionalized_v2)
+_STATIC_FP8_QUANT = "_C::static_scaled_fp8_quant"
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = float(torch.finfo(_FP8).max)  # 448
+# arfuse.fused(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
+#              weight_bias, routed_scaling, fp8_scale, comm, algorithm)
+_FP8_SCALE_ARG = 9
 
 
 def _op_name(node: Any) -> str:
@@ -137,6 +147,12 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
             one the plugin keeps for this config (arfuse.vllm.plugin.get_communicator), creating it
             if needed.
         algorithm: "auto", "oneshot" or "twoshot" (None: $ARFUSE_VLLM_ALGORITHM, default auto).
+        fp8: fold vLLM's static per-tensor FP8 quant of the norm output into the fused call
+            (None: $ARFUSE_VLLM_FP8, default on). Only where arfuse has fp8_static kernels for
+            the model's (dtype, hidden, world size) and every algorithm `algorithm` may use.
+
+    After a call, `matched_count` is the number of chains replaced by an arfuse.fused call and
+    `fp8_count` how many of those also took the FP8 quant in.
     """
 
     def __init__(
@@ -145,6 +161,7 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
         communicator: Any | None = None,
         *,
         algorithm: str | None = None,
+        fp8: bool | None = None,
     ) -> None:
         super().__init__(config)
         self.pass_name = "arfuse_allreduce_fusion_pass"
@@ -152,7 +169,10 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
         self.specs: list[PatternSpec] = []
         self.disabled = True
         self.reason = ""
-        self.algorithm = algorithm or _settings.from_env().algorithm
+        env = _settings.from_env()
+        self.algorithm = algorithm or env.algorithm
+        self.fp8 = False
+        self.fp8_count = 0
         if self.algorithm not in _settings.ALGORITHMS:
             raise ValueError(
                 f"algorithm={self.algorithm!r}: want one of {sorted(_settings.ALGORITHMS)}"
@@ -184,16 +204,27 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
         self.communicator = communicator
         self.handle = int(communicator.handle)
         self.max_tokens = int(communicator.max_tokens)
+        if env.fp8 if fp8 is None else fp8:
+            from .plugin import fp8_supported
+
+            self.fp8 = fp8_supported(self.model_dtype, self.hidden, self.world_size, self.algorithm)
+            if not self.fp8:
+                logger.info(
+                    "arfuse: no fp8_static kernel for dtype=%s hidden=%d world_size=%d "
+                    "algorithm=%s; static FP8 quantization stays a separate op",
+                    self.model_dtype, self.hidden, self.world_size, self.algorithm,
+                )
         self._register_patterns()
         self.dump_patterns(config, self.patterns)  # only with vLLM's debug dump path set
         self.disabled = False
         logger.debug(
-            "arfuse: %d patterns for hidden=%d dtype=%s world_size=%d max_tokens=%d",
+            "arfuse: %d patterns for hidden=%d dtype=%s world_size=%d max_tokens=%d fp8=%s",
             len(self.specs),
             self.hidden,
             self.model_dtype,
             self.world_size,
             self.max_tokens,
+            self.fp8,
         )
 
     def _disable(self, reason: str) -> None:
@@ -209,11 +240,20 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
     @VllmInductorPass.time_and_log
     def __call__(self, graph: fx.Graph) -> None:
         if self.disabled:
-            self.matched_count = 0
+            self.matched_count = self.fp8_count = 0
             return
         self.matched_count = self.patterns.apply(graph)
+        # Second step, on the calls just made: a static FP8 quant of a call's norm output goes
+        # into the call (one rule for every pattern above, instead of an FP8 twin of each).
+        self.fp8_count = fold_static_fp8_quant(graph) if self.fp8 else 0
         VllmPatternMatcherPass.match_table[self.pass_name] += self.matched_count
-        logger.debug("arfuse: replaced %d patterns", self.matched_count)
+        if self.fp8_count:
+            VllmPatternMatcherPass.match_table[f"{self.pass_name}.static_fp8"] += self.fp8_count
+        logger.debug(
+            "arfuse: replaced %d patterns, %d with the static FP8 quant folded in",
+            self.matched_count,
+            self.fp8_count,
+        )
 
     def uuid(self) -> str:
         state = {
@@ -230,6 +270,7 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
             # not be reused for another.
             "handle": self.handle,
             "algorithm": self.algorithm,
+            "fp8": self.fp8,
             "patterns": [dataclasses.astuple(s) for s in self.specs],
         }
         return InductorPass.hash_dict(state)
@@ -463,6 +504,180 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
             return shared is not None and shared[0] is routed[0] and shared[1] == 0
 
         return check
+
+
+# ---- static FP8 quantization after the norm ------------------------------------------------------
+
+
+def _call(node: Any, target: Any) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _dtype(node: Any) -> torch.dtype | None:
+    v = _val(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def _native_static_quant(norm: fx.Node) -> tuple[Any, fx.Node, list[fx.Node]] | None:
+    """vLLM's QuantFP8.forward_native for a static per-tensor scale (the default: vLLM disables
+    its custom ops under Inductor), as it reaches the post-grad graph:
+
+        convert_element_type(norm, float32)      (absent when norm is float32 already)
+        mul(., reciprocal(scale))
+        clamp_min(., -448) -> clamp_max(., 448)  (or one clamp(., -448, 448))
+        convert_element_type(., float8_e4m3fn)
+
+    Returns (scale, quantized node, the chain's nodes) when that chain is the only use of norm
+    (each step used by the next alone), else None."""
+    aten, prims = torch.ops.aten, torch.ops.prims
+    chain: list[fx.Node] = []
+    x = norm
+    u = _only_user(x)
+    if _call(u, prims.convert_element_type.default) and u.args[1:] == (torch.float32,):
+        chain.append(u)
+        x, u = u, _only_user(u)
+    elif _dtype(norm) != torch.float32:
+        return None
+    if not _call(u, aten.mul.Tensor) or len(u.args) != 2 or u.kwargs:
+        return None
+    a, b = u.args
+    recip = b if a is x else a if b is x else None
+    if not _call(recip, aten.reciprocal.default) or recip is x:
+        return None
+    scale = recip.args[0]
+    chain += [u, recip]
+    x = u
+    lo = hi = None
+    while True:
+        u = _only_user(x)
+        if _call(u, aten.clamp.default) and lo is None and hi is None and len(u.args) == 3:
+            lo, hi = u.args[1], u.args[2]
+        elif _call(u, aten.clamp_min.default) and lo is None and len(u.args) == 2:
+            lo = u.args[1]
+        elif _call(u, aten.clamp_max.default) and hi is None and len(u.args) == 2:
+            hi = u.args[1]
+        else:
+            break
+        chain.append(u)
+        x = u
+    if lo != -_FP8_MAX or hi != _FP8_MAX:
+        return None
+    if not (_call(u, prims.convert_element_type.default) and u.args[1:] == (_FP8,)):
+        return None
+    chain.append(u)
+    return scale, u, chain
+
+
+def _custom_static_quant(norm: fx.Node) -> tuple[Any, fx.Node, list[fx.Node]] | None:
+    """vLLM's static per-tensor quant kernel (custom op quant_fp8 enabled, QuantFP8.forward_cuda
+    -> vllm._custom_ops.scaled_fp8_quant), functionalized:
+
+        auto_functionalized(_C.static_scaled_fp8_quant, result=empty(..., float8_e4m3fn),
+                            input=norm, scale=scale, group_shape=[-1, -1] or None)[1]
+
+    (auto_functionalized_v2: the result buffer in _all_bases). Same return as
+    _native_static_quant."""
+    af = _only_user(norm)
+    if af is None or af.op != "call_function" or af.target not in _AUTO_FUNCTIONALIZED:
+        return None
+    op = af.args[0] if af.args else None
+    if not isinstance(op, torch._ops.OpOverload) or op._schema.name != _STATIC_FP8_QUANT:
+        return None
+    kw = af.kwargs
+    if kw.get("input") is not norm or "scale" not in kw:
+        return None
+    group_shape = kw.get("group_shape")
+    if group_shape is not None and list(group_shape) != [-1, -1]:
+        return None
+    if af.target is auto_functionalized:
+        buf = kw.get("result")
+    else:
+        bases = kw.get("_all_bases") or []
+        if kw.get("_result_base_index") != 0 or len(bases) != 1:
+            return None
+        buf = bases[0]
+    if not (_call(buf, torch.ops.aten.empty.memory_format) and len(buf.users) == 1):
+        return None
+    if _dtype(buf) != _FP8:
+        return None
+    out = _only_user(af)
+    if not (_call(out, operator.getitem) and out.args[1] == 1):
+        return None
+    return kw["scale"], out, [af, buf, out]
+
+
+def _static_scale_ok(scale: Any, call: fx.Node, order: dict[fx.Node, int]) -> bool:
+    """A per-tensor scale arfuse takes: a graph input or constant (placeholder / get_attr) that
+    exists before the call, float32 with one element."""
+    if not isinstance(scale, fx.Node) or scale.op not in ("placeholder", "get_attr"):
+        return False
+    if order.get(scale, len(order)) > order[call]:
+        return False
+    v = _val(scale)
+    return isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.numel() == 1
+
+
+def fold_static_fp8_quant(graph: fx.Graph) -> int:
+    """Folds vLLM's static per-tensor FP8 quantization (kFp8StaticTensorSym) of an arfuse.fused
+    call's norm output into the call, which then writes the FP8 codes itself (its fp8_scale
+    argument). Returns how many calls took a quant in.
+
+    Matched: the quant in either form vLLM 0.26.0 puts in the graph before its own fusion passes
+    (_native_static_quant, _custom_static_quant), applied to the call's norm output and to nothing
+    else (the norm output has no other user), with the scale a float32 one-element graph input or
+    constant. Not matched (the quant stays a separate op): dynamic per-tensor / per-token /
+    per-group quants, a scale computed in the graph, a quant of anything but the norm output, a
+    norm output also read in the activation dtype. vLLM's fused rms_norm + quant ops
+    (_C.rms_norm_static_fp8_quant, _C.fused_add_rms_norm_static_fp8_quant) are never in the graph
+    here: RMSNormQuantFusionPass, which makes them, runs after this pass.
+
+    Semantics. vLLM: q = e4m3(clamp(n * (1 / scale), -448, 448)) with n the norm output rounded
+    to the activation dtype (QuantFP8.forward_native; its CUDA kernel also multiplies by the
+    float32 reciprocal and saturates to +-448). arfuse: the same with n the float32 norm, before
+    any rounding (FP8-e4m3 saturate(y * (1 / scale)), round to nearest even). Both multiply by
+    the reciprocal and saturate alike; the one difference is vLLM's rounding of n to the
+    activation dtype (vllm_ir.rms_norm rounds the normalized value, and with a bf16/fp16 weight
+    its product too: relative 2^-9 each for bf16, 2^-11 for fp16), far below an e4m3 step
+    (relative 2^-4 to 2^-3, 2^-9 absolute for subnormals). So a code differs from vLLM's by at
+    most one e4m3 step (one unit in the last place), and only where n lies next to a rounding
+    boundary of e4m3: about 2.5% of the codes in tests/vllm/test_fusion_fp8.py (bf16), which
+    holds them to one step. For float32 activations the codes are the same.
+    """
+    fused = torch.ops.arfuse.fused.default
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    folded = 0
+    for call in [n for n in graph.nodes if _call(n, fused)]:
+        if len(call.args) <= _FP8_SCALE_ARG or call.args[_FP8_SCALE_ARG] is not None:
+            continue
+        norm = next(
+            (u for u in call.users if _call(u, operator.getitem) and u.args[1] == 0), None
+        )
+        if norm is None:
+            continue
+        found = _native_static_quant(norm) or _custom_static_quant(norm)
+        if found is None:
+            continue
+        scale, out, chain = found
+        if not _static_scale_ok(scale, call, order):
+            continue
+        call.update_arg(_FP8_SCALE_ARG, scale)
+        out.replace_all_uses_with(norm)
+        for key in ("val", "tensor_meta"):
+            if key in out.meta:
+                norm.meta[key] = out.meta[key]
+        old = call.meta.get("val")
+        if isinstance(old, (tuple, list)) and len(old) == 2 and "val" in out.meta:
+            call.meta["val"] = (out.meta["val"], old[1])
+        for node in sorted(chain, key=order.__getitem__, reverse=True):
+            if not node.users:  # a shared reciprocal(scale) stays for its other users
+                graph.erase_node(node)
+        folded += 1
+    return folded
 
 
 @functools.lru_cache(maxsize=None)

@@ -16,6 +16,9 @@ MAX_TOKENS_ENV = "ARFUSE_VLLM_MAX_TOKENS"
 ONESHOT_MAX_TOKENS_ENV = "ARFUSE_VLLM_ONESHOT_MAX_TOKENS"
 ALGORITHM_ENV = "ARFUSE_VLLM_ALGORITHM"
 TIMEOUT_ENV = "ARFUSE_VLLM_TIMEOUT_S"
+# Whether the fusion pass folds vLLM's static per-tensor FP8 quant of the norm output into the
+# fused call (where arfuse has fp8_static kernels for the model).
+FP8_ENV = "ARFUSE_VLLM_FP8"
 # How long a rank's kernel waits for its peers before giving up (the communicator then reports
 # itself broken). Generous by default: in a deployment the ranks reach their first fused call at
 # different times (one rank may still be compiling or capturing CUDA graphs), and a wait that
@@ -40,6 +43,7 @@ class Settings:
     oneshot_max_tokens: int | None
     algorithm: str
     timeout_s: int = DEFAULT_TIMEOUT_S
+    fp8: bool = True
 
     @property
     def algorithm_code(self) -> int:
@@ -49,8 +53,10 @@ class Settings:
         return asdict(self)
 
 
-def _flag(name: str) -> bool:
+def _flag(name: str, default: bool = False) -> bool:
     raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
     if raw in _TRUE:
         return True
     if raw in _FALSE:
@@ -82,6 +88,7 @@ def from_env() -> Settings:
         oneshot_max_tokens=_positive_int(ONESHOT_MAX_TOKENS_ENV),
         algorithm=algorithm,
         timeout_s=_positive_int(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S,
+        fp8=_flag(FP8_ENV, default=True),
     )
 
 
