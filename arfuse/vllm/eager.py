@@ -105,6 +105,13 @@ def _finalize_unfused(parts: _Parts, num_tokens: int, dtype: torch.dtype) -> tor
     ).to(dtype)
 
 
+def static_fp8_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """vLLM's static per-tensor FP8 quantization (kFp8StaticTensorSym; QuantFP8.forward_native
+    and its CUDA kernel alike): e4m3(clamp(x * (1 / scale), -448, 448)), float32 arithmetic."""
+    y = x.to(torch.float32) * scale.to(torch.float32).reciprocal()
+    return y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
 def moe_finalize_allreduce_rms_norm(
     moe_output: Any,
     residual: torch.Tensor,
@@ -114,6 +121,7 @@ def moe_finalize_allreduce_rms_norm(
     routed_scaling_factor: float | None = None,
     communicator: Any | None = None,
     algorithm: str | None = None,
+    fp8_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Finalize the MoE output (top-k weighted sum, routed scaling, shared-expert add), all-reduce
     it over vLLM's tensor-parallel group, add the residual and apply `norm_layer`.
@@ -123,6 +131,13 @@ def moe_finalize_allreduce_rms_norm(
     or `communicator`); otherwise (tensor parallelism 1, arfuse off or not serving the shape) it
     computes the same thing unfused with PyTorch, vLLM's all-reduce and vLLM's norm op, so the
     call is always usable. Neither `residual` nor the MoE tensors are modified.
+
+    fp8_scale: the static per-tensor input scale of the FP8 linear layer that reads norm_out (a
+    float32 one-element tensor); norm_out is then float8_e4m3fn, what vLLM's static FP8 quant
+    (static_fp8_quant) makes of it. Fused, arfuse quantizes the float32 norm directly, without
+    rounding it to the activation dtype first: codes may differ from the unfused ones by one
+    e4m3 step (see arfuse.vllm.fusion.fold_static_fp8_quant). Without fp8_scale kernels for the
+    model in arfuse's library the call takes the unfused path.
     """
     from .settings import from_env
 
@@ -140,6 +155,14 @@ def moe_finalize_allreduce_rms_norm(
         except Exception:
             vllm_config = None
         communicator = get_communicator(vllm_config)
+    algorithm = algorithm or from_env().algorithm
+    if communicator is not None and fp8_scale is not None:
+        from .plugin import fp8_supported
+
+        if not fp8_supported(
+            communicator.dtype, communicator.hidden, communicator.world_size, algorithm
+        ):
+            communicator = None
     if communicator is not None and residual.shape[0] <= communicator.max_tokens:
         import arfuse
 
@@ -154,7 +177,8 @@ def moe_finalize_allreduce_rms_norm(
             shared_out=parts.shared_out,
             routed_scaling=parts.routed_scaling,
             weight_bias=weight_bias,
-            algorithm=algorithm or from_env().algorithm,
+            algorithm=algorithm,
+            fp8_scale=fp8_scale,
         )
 
     import vllm.ir.ops
@@ -163,4 +187,7 @@ def moe_finalize_allreduce_rms_norm(
     partial = _finalize_unfused(parts, residual.shape[0], residual.dtype)
     reduced = tensor_model_parallel_all_reduce(partial)
     weight = gamma.float() + 1.0 if weight_bias else gamma
-    return vllm.ir.ops.fused_add_rms_norm(reduced, residual, weight, eps)
+    norm_out, residual_out = vllm.ir.ops.fused_add_rms_norm(reduced, residual, weight, eps)
+    if fp8_scale is not None:
+        norm_out = static_fp8_quant(norm_out, fp8_scale)
+    return norm_out, residual_out

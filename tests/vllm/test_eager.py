@@ -149,3 +149,55 @@ def test_rejects_what_it_cannot_compute(env):
         moe_finalize_allreduce_rms_norm(x, x, RMSNorm(h, var_hidden_size=h // 2))
     with pytest.raises(TypeError, match="moe_output"):
         moe_finalize_allreduce_rms_norm(object(), x, RMSNorm(h))
+
+
+def fp8_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """e4m3 steps between two FP8 tensors, element by element (codes as signed magnitudes)."""
+
+    def ordinal(x):
+        u = x.view(torch.uint8).to(torch.int32)
+        return torch.where(u >= 0x80, -(u & 0x7F), u & 0x7F)
+
+    return (ordinal(a) - ordinal(b)).abs()
+
+
+@pytest.mark.parametrize("gemma", [False, True], ids=["rmsnorm", "gemma"])
+def test_static_fp8_output(env, gemma, monkeypatch):
+    """fp8_scale: norm_out is what vLLM's static per-tensor FP8 quant makes of vLLM's norm output
+    (codes within one e4m3 step: arfuse quantizes the float32 norm, vLLM the bf16-rounded one),
+    through arfuse, through the fallback, and through the fallback when arfuse's library has no
+    fp8_static kernel for the model."""
+    from arfuse.vllm import plugin
+    from arfuse.vllm.eager import static_fp8_quant
+
+    dtype = torch.bfloat16
+    h = env.spec.hidden
+    rows, weights, idx, shared, residual = unfinalized(h, dtype, seed=2)
+    norm = make_norm(gemma, h, dtype)
+    scale = torch.tensor([0.005], dtype=torch.float32)  # saturates the largest outputs
+    moe_output = SimpleNamespace(
+        routed=(rows, weights, idx), shared_output=shared, routed_scaling_factor=SCALE
+    )
+    with torch.no_grad():
+        want_norm, want_res = expected(norm, rows, weights, idx, shared, residual)
+    want = static_fp8_quant(want_norm, scale)
+    assert (want.float().abs() == 448).any(), "no output saturates"
+
+    comm = communicator(env, dtype)
+    fused = moe_finalize_allreduce_rms_norm(moe_output, residual, norm, communicator=comm,
+                                            fp8_scale=scale)
+    fallback = moe_finalize_allreduce_rms_norm(moe_output, residual, norm, fp8_scale=scale)
+    monkeypatch.setattr(plugin, "fp8_supported", lambda *a: False)
+    no_kernel = moe_finalize_allreduce_rms_norm(moe_output, residual, norm, communicator=comm,
+                                                fp8_scale=scale)
+    for got in (fused, fallback, no_kernel):
+        assert got[0].dtype == torch.float8_e4m3fn and got[1].dtype == dtype
+        torch.testing.assert_close(got[1], want_res, rtol=2e-2, atol=2e-2)
+        # Tokens whose residual_out rounded alike (the finalize sums in another order): codes
+        # one step apart at most.
+        same = (got[1] == want_res).all(dim=-1)
+        assert same.sum() >= T - 1
+        assert int(fp8_steps(got[0][same], want[same]).max()) <= 1
+    assert torch.equal(fallback[0].view(torch.uint8), no_kernel[0].view(torch.uint8))
+    # The fallback is vLLM's norm and quant on the same bf16 values: the very same codes.
+    assert torch.equal(fallback[0].view(torch.uint8), want.view(torch.uint8))
