@@ -28,10 +28,12 @@
 #   ARFUSE_COMMIT  the commit of the copied tree (it has no .git there)
 #   NGPUS       the GPU count instead of nvidia-smi's; DRY_RUN=1 prints the plan, runs nothing
 #   PYTHON (python3), NVCC (nvcc)
+# Exit status: 0 every run passed, 1 a run failed or its build is missing, 4 some not run (deadline).
 set -uo pipefail
 out=${1:?usage: scripts/multigpu.sh OUTDIR}
 cd "$(dirname "$0")/.."
-mkdir -p "$out"; out=$(cd "$out" && pwd)
+dry=${DRY_RUN:-}
+[ -n "$dry" ] || { mkdir -p "$out" && out=$(cd "$out" && pwd); } || exit 1
 start=$(date +%s)
 deadline=${DEADLINE_S:-540}
 PY=${PYTHON:-python3}
@@ -39,7 +41,6 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONUNBUFFERED=1
 export ARFUSE_COMMIT=${ARFUSE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 left() { echo $(( deadline - ($(date +%s) - start) )); }
-dry=${DRY_RUN:-}
 
 ngpus=${NGPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
 worlds=()
@@ -58,6 +59,13 @@ failed=0
 lib_path() { case $1 in default) echo "$PWD/arfuse/_lib/libarfuse_ops.so" ;; ci) echo "$PWD/build/ci/lib/libarfuse_ops.so" ;; esac; }
 man_path() { case $1 in default) echo "$PWD/out/manifest.json" ;; ci) echo "$PWD/build/ci/out/manifest.json" ;; esac; }
 
+verdict() {  # the telling last line of a log: dist_check's verdict, a tuning row, an arfuse error
+  local v
+  v=$(grep -E '^(PASSED|FAILED) arfuse|^arfuse[.:_a-z]*: |^ *- \{dtype|^wrote ' "$1" | tail -n 1)
+  [ -n "$v" ] || v=$(grep -v -E '^\s*$|^=+$' "$1" | tail -n 1)
+  echo "$v" | cut -c1-240
+}
+
 pack() { [ -n "$dry" ] || tar czf "$out/multigpu.tgz" -C build multigpu; }
 
 one_run() {  # name, build, N, module, arguments...
@@ -74,7 +82,7 @@ one_run() {  # name, build, N, module, arguments...
   timeout -k 15 "$t" "${cmd[@]}" >"$res/$name.log" 2>&1
   local rc=$?
   [ $rc -eq 0 ] || failed=$((failed + 1))
-  echo "$name: rc=$rc $(( $(date +%s) - t0 )) s: $(grep -v '^\s*$' "$res/$name.log" | tail -n 1 | cut -c1-200)" | tee -a "$summary"
+  echo "$name: rc=$rc $(( $(date +%s) - t0 )) s: $(verdict "$res/$name.log")" | tee -a "$summary"
   pack
 }
 
@@ -152,4 +160,6 @@ if [ -z "$dry" ]; then
   fi
   echo "multigpu: $(( $(date +%s) - start )) s, $failed run(s) failed or not built" | tee -a "$summary"
 fi
-[ "$failed" -eq 0 ]
+# 0: every run passed; 1: a run failed (or its build is missing); 4: none failed, some not run.
+[ "$failed" -eq 0 ] || exit 1
+[ ${#notrun[@]} -eq 0 ] || exit 4

@@ -366,7 +366,7 @@ def test_two_cpu_ranks_harness_catches_a_bad_rank(tmp_path):
 
 # ---- scripts/multigpu.sh --------------------------------------------------------------------------
 def _plan(**env):
-    return subprocess.run(["bash", str(ROOT / "scripts" / "multigpu.sh"), "/tmp/arfuse-mg-dry"],
+    return subprocess.run(["bash", str(ROOT / "scripts" / "multigpu.sh"), "unused-in-a-dry-run"],
                           env=_env(DRY_RUN="1", **env), capture_output=True, text=True,
                           timeout=60)
 
@@ -374,6 +374,7 @@ def _plan(**env):
 def test_multigpu_script_plan_on_8_gpus():
     p = _plan(NGPUS="8")
     assert p.returncode == 0, p.stderr
+    assert not (ROOT / "unused-in-a-dry-run").exists(), "a dry run writes nothing"
     lines = p.stdout.splitlines()
     for k, v in dc.MULTICAST_OFF.items():
         assert f"env: {k}={v}" in lines
