@@ -416,52 +416,84 @@ QUANT_IMPLS = ("arfuse_q", "arfuse_sepq")
 QUANT_TOLERANCE = 0.06
 
 
-class ArfuseQuant(PerRank):
-    """--quant KIND. fused: one arfuse call writing the FP8 output (and scales) itself;
-    separate: arfuse with the activation-dtype output, then one Triton quantization kernel
-    (arfuse/_bench_quant.py) on it. once() returns the dequantized output for the check."""
+class _QuantBase:
+    """--quant KIND: shared by the fused and the separate-kernel implementations."""
 
     STATIC_SCALE = 1.0 / 64  # RMSNorm outputs of the bench's inputs stay well inside 448/64
 
-    def __init__(self, setup, sets, fused: bool):
-        super().__init__(setup, sets)
+    def _init_quant(self, setup):
         from . import _bench_quant as BQ
-        self.BQ, self.fused, self.kind = BQ, fused, setup.args.quant
-        if not fused:
-            BQ._build()  # compile errors / no triton: a Skip before timing, not mid-graph
+        self.BQ, self.kind = BQ, setup.args.quant
         self.static = torch.full((1,), self.STATIC_SCALE, dtype=torch.float32,
                                  device=setup.device)
 
-    def _run(self, rank, comm, inp):
+    def _op(self, comm, inp, fused: bool):
         a, st = self.setup.args, self.setup
         kw = {}
         if inp.idx is not None:
             kw["permuted_idx"] = inp.idx
-        if self.fused:
+        if fused:
             if self.kind == "fp8_static":
                 kw["fp8_scale"] = self.static
             else:
                 kw["quant"] = self.kind
-        res = st.ar.moe_finalize_allreduce_rmsnorm(
+        return st.ar.moe_finalize_allreduce_rmsnorm(
             comm, inp.expert_out, inp.residual, st.gamma, float(a.eps),
             expert_weights=inp.weights, shared_out=inp.shared,
             routed_scaling=float(a.routed_scaling), weight_bias=float(a.weight_bias),
             algorithm="auto", **kw)
-        if self.fused:
-            if self.kind == "fp8_static":
-                q, r = res
-                return q, r, None
-            return res
-        y, r = res
-        q, scales = self.BQ.quantize(y, self.kind, self.static)
-        return q, r, scales
+
+    def _dequant(self, outs):
+        return [(self.BQ.dequantize(q, self.kind, sc, self.static), r) for q, r, sc in outs]
+
+
+class ArfuseQuant(_QuantBase, PerRank):
+    """arfuse_q: one arfuse call writing the FP8 output (and its scales) itself. once() returns
+    the dequantized output for the check."""
+
+    def __init__(self, setup, sets):
+        PerRank.__init__(self, setup, sets)
+        self._init_quant(setup)
 
     def call(self, rank, comm, inp):
-        return self._run(rank, comm, inp)
+        res = self._op(comm, inp, fused=True)
+        if self.kind == "fp8_static":
+            q, r = res
+            return q, r, None
+        return res
 
     def once(self, s):
-        outs = self.setup.per_rank(lambda rank, comm: self._run(rank, comm, self.sets[s][rank]))
-        return [(self.BQ.dequantize(q, self.kind, sc, self.static), r) for q, r, sc in outs]
+        return self._dequant(super().once(s))
+
+
+class ArfuseSepQuant(_QuantBase, TwoPhase):
+    """arfuse_sepq: arfuse with the activation-dtype output, then one Triton quantization kernel
+    on it (arfuse/_bench_quant.py). Two group.run phases when emulated: LocalGroup defers the
+    fused launches until every rank's fn has returned, so a quantization kernel issued in the same
+    fn would be queued before the kernel that writes its input."""
+
+    def __init__(self, setup, sets):
+        TwoPhase.__init__(self, setup, sets)
+        self._init_quant(setup)
+        self.BQ._build()  # no triton: a Skip before timing, not mid-graph
+        self.ys = {}
+
+    def _call(self, s):
+        per, st, ys = self.sets[s], self.setup, self.ys
+
+        def phase1(rank, comm):
+            ys[rank] = self._op(comm, per[rank], fused=False)
+
+        def phase2(rank, comm):  # y was made on this rank's stream
+            y, r = ys[rank]
+            q, scales = self.BQ.quantize(y, self.kind, self.static)
+            return q, r, scales
+
+        st.per_rank(phase1)
+        return st.per_rank(phase2)
+
+    def once(self, s):
+        return self._dequant(self._call(s))
 
 
 def arfuse_finalize(setup: Setup, inp: RankInputs) -> torch.Tensor:
@@ -668,7 +700,7 @@ def build_impl(name: str, setup: Setup, sets: list, T: int, thr) -> Impl:
         if not a.quant:
             raise Skip("needs --quant")
         try:
-            impl = ArfuseQuant(setup, sets, fused=(name == "arfuse_q"))
+            impl = ArfuseQuant(setup, sets) if name == "arfuse_q" else ArfuseSepQuant(setup, sets)
         except ImportError as e:
             raise Skip(f"no separate quantization kernel: {e}") from None
         impl.algorithm = BB.resolve_algorithm("auto", T, thr) if thr is not None else None

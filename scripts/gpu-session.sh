@@ -2,8 +2,8 @@
 # One call on the GPU machine that does what a session needs there, within its 10-minute limit:
 #   1. the CI-matrix build and the GPU suite (scripts/gpu-check.sh), then compute-sanitizer
 #      memcheck and racecheck on the world-4 case; the default-matrix build runs beside them;
-#   2. the emulated benchmark for the models of docs/performance.md at N = 8, 4, 2, then the FP8
-#      output kinds (--quant) on one model, until the deadline.
+#   2. the emulated benchmark of the FP8 output kinds (--quant) on one model, then of the models of
+#      docs/performance.md at N = 8, 4, 2, until the deadline.
 # Prepare here (Go is not on the GPU machine): go run ./gen --matrix ci --out build/ci/out and
 # go run ./gen --out out, then run with carry ["build/ci/out", "out"]:
 #   scripts/gpu-session.sh $OUT
@@ -61,16 +61,17 @@ one_run() {  # name, then python -m arfuse.bench arguments
 }
 
 kind=bench; extra=()
-if [ -n "${BENCH_TUNE:-}" ]; then kind=tune; extra=(--tune); fi
-for model in ${BENCH_MODELS-deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b gpt-oss-120b}; do
-  for n in ${BENCH_WORLDS:-8 4 2}; do
-    one_run "$kind-$model-w$n" --model "$model" --world-size "$n" "${extra[@]}" || break 2
-  done
-done
+if [ -n "${BENCH_TUNE:-}" ]; then kind=tune; extra=(--tune); BENCH_QUANT=""; fi
+# The FP8 output kinds first (three short runs), then the models.
 for q in ${BENCH_QUANT-fp8_static fp8_token fp8_group128}; do
   m=${BENCH_QUANT_MODEL:-deepseek-v3}; n=${BENCH_QUANT_WORLD:-8}
   one_run "quant-$q-$m-w$n" --model "$m" --world-size "$n" --quant "$q" \
     --impls arfuse,arfuse_q,arfuse_sepq || break
+done
+for model in ${BENCH_MODELS-deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b gpt-oss-120b}; do
+  for n in ${BENCH_WORLDS:-8 4 2}; do
+    one_run "$kind-$model-w$n" --model "$model" --world-size "$n" "${extra[@]}" || break 2
+  done
 done
 tar czf "$out/bench.tgz" -C build bench
 echo "gpu-session: $(( $(date +%s) - start )) s"
