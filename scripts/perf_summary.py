@@ -29,7 +29,10 @@ FLASHINFER = {(2, 2048): {1: 6.9, 16: 7.1, 64: 20.7, 256: 79.5, 1024: 457},
 
 def load(csv_path: Path):
     rows = list(csv.DictReader(open(csv_path)))
-    meta = json.load(open(csv_path.with_suffix(".json")))
+    meta_path = csv_path.with_suffix(".json")
+    if not meta_path.exists():  # a run cut off: only its checkpointed CSV
+        raise FileNotFoundError(f"{csv_path.parent.name}: partial run (no {meta_path.name})")
+    meta = json.load(open(meta_path))
     by = {}
     for r in rows:
         if r["median_us"]:
@@ -101,7 +104,11 @@ def main() -> int:
         print(f"no bench_*.csv under {ns.bench_dir}", file=sys.stderr)
         return 2
     for pth in paths:
-        name, met, missed = summarise(pth)
+        try:
+            name, met, missed = summarise(pth)
+        except FileNotFoundError as e:
+            print(f"## {e}")
+            continue
         print(f"## {name} ({pth.parent.name})")
         for m in met:
             print(f"- met: {m}")
