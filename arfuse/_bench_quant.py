@@ -6,7 +6,9 @@ the scales), with the same rules as arfuse's fused output kinds (arfuse/referenc
 - fp8_token: scale = max(amax(|y_t|) / 448, 1 / (448 * 512)) per token, written to scales[t];
 - fp8_group128: scale = max(amax, 1e-10) / 448 per group of 128 elements, scales[t, g] row-major.
 
-One program per (token, group); a per-token program covers the whole row. This is the kernel a
+One program per token, covering its whole row (per group: a [groups, 128] tile, one amax per
+tile row). At 76fe666 the per-group kernel ran one program per 128 elements and moved only about
+0.6 TB/s (docs/performance.md); the per-token and static ones were as now. This is the kernel a
 serving stack runs after a bf16 RMSNorm (vLLM's scaled_fp8_quant / per_token_group_quant_fp8 do
 the same one read and one write); Triton is used so that the baseline is a single fused kernel
 and not a chain of PyTorch ops. Needs triton (the GPU machine has it); imported lazily.
@@ -28,29 +30,40 @@ def _build():
     import triton.language as tl
 
     @triton.jit
-    def quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, H, n_groups,
-                     GROUP: tl.constexpr, BLOCK: tl.constexpr, MODE: tl.constexpr):
-        pid = tl.program_id(0)
-        t = pid // n_groups
-        g = pid % n_groups
+    def quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, H,
+                     BLOCK: tl.constexpr, MODE: tl.constexpr):
+        # MODE 0: static scale, 1: per token; the whole row in one tile of BLOCK >= H.
+        t = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
-        mask = offs < GROUP
-        base = t.to(tl.int64) * H + g * GROUP
+        mask = offs < H
+        base = t.to(tl.int64) * H
         x = tl.load(x_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-        if MODE == 0:      # static
+        if MODE == 0:
             scale = tl.load(static_ptr)
-        elif MODE == 1:    # per token
+        else:
             amax = tl.max(tl.abs(x), axis=0)
             scale = tl.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
             tl.store(s_ptr + t, scale)
-        else:              # per group of 128
-            amax = tl.max(tl.abs(x), axis=0)
-            scale = tl.maximum(amax, 1e-10) / 448.0
-            tl.store(s_ptr + pid, scale)
         y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
         tl.store(q_ptr + base + offs, y.to(tl.float8e4nv), mask=mask)
 
-    _kernel = (triton, quant_kernel)
+    @triton.jit
+    def group_kernel(x_ptr, q_ptr, s_ptr, H, n_groups, GP: tl.constexpr):
+        # Per group of 128: the row as a [GP, 128] tile (GP >= n_groups), one scale per tile row,
+        # scales row-major [T, n_groups].
+        t = tl.program_id(0)
+        g = tl.arange(0, GP)
+        e = tl.arange(0, 128)
+        offs = t.to(tl.int64) * H + g[:, None] * 128 + e[None, :]
+        mask = (g < n_groups)[:, None]
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.maximum(amax, 1e-10) / 448.0
+        tl.store(s_ptr + t.to(tl.int64) * n_groups + g, scale, mask=g < n_groups)
+        y = tl.minimum(tl.maximum(x / scale[:, None], -448.0), 448.0)
+        tl.store(q_ptr + offs, y.to(tl.float8e4nv), mask=mask)
+
+    _kernel = (triton, quant_kernel, group_kernel)
     return _kernel
 
 
@@ -58,26 +71,27 @@ def quantize(y: torch.Tensor, kind: str, static_scale: torch.Tensor | None = Non
     """(q, scales) for y [T, H]: scales is None (static), [T] (token) or [T, H/128] (group)."""
     if kind not in KINDS:
         raise ValueError(f"kind: {kind!r} not one of {', '.join(KINDS)}")
-    triton, kernel = _build()
+    triton, kernel, group_kernel = _build()
     T, H = y.shape
     q = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=y.device)
     if kind == "fp8_static":
         if static_scale is None:
             raise ValueError("fp8_static needs static_scale")
-        scales, group, mode, sptr = None, H, 0, static_scale
+        scales = None
     elif kind == "fp8_token":
         scales = torch.empty(T, dtype=torch.float32, device=y.device)
-        group, mode, sptr = H, 1, scales
     else:
         if H % 128:
             raise ValueError(f"fp8_group128: hidden {H} is not a multiple of 128")
         scales = torch.empty(T, H // 128, dtype=torch.float32, device=y.device)
-        group, mode, sptr = 128, 2, scales
     if T == 0:
         return q, scales
-    n_groups = H // group
-    kernel[(T * n_groups,)](y, q, scales if scales is not None else q, sptr, H, n_groups,
-                            GROUP=group, BLOCK=triton.next_power_of_2(group), MODE=mode)
+    if kind == "fp8_group128":
+        group_kernel[(T,)](y, q, scales, H, H // 128, GP=triton.next_power_of_2(H // 128))
+    else:
+        static = static_scale if kind == "fp8_static" else scales  # unused pointer in mode 1
+        kernel[(T,)](y, q, scales if scales is not None else static_scale, static, H,
+                     BLOCK=triton.next_power_of_2(H), MODE=0 if kind == "fp8_static" else 1)
     return q, scales
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -528,3 +529,36 @@ def test_quant_impls_need_quant():
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--emulate", "--model", "deepseek-v3", "--impls", "arfuse_q"])
     assert e.value.code == 2
+
+
+def test_separate_quant_kernel_scales_on_the_triton_interpreter():
+    """The bench's separate quantization kernels (Triton), run by Triton's CPU interpreter in a
+    subprocess: scale values and the shapes of every kind. Codes are not compared here: the
+    interpreter's float8 conversion does not round like the GPU's (the GPU run checks the
+    dequantized output against the float32 reference before timing)."""
+    pytest.importorskip("triton")
+    import textwrap
+    code = textwrap.dedent("""
+        import torch
+        from arfuse import _bench_quant as BQ
+        torch.manual_seed(0)
+        y = (torch.randn(5, 1152) * torch.rand(5, 1) * 10).bfloat16()
+        yf = y.float()
+        q, sc = BQ.quantize(y, "fp8_token")
+        assert q.shape == (5, 1152) and q.dtype == torch.float8_e4m3fn and sc.shape == (5,)
+        ref = (yf.abs().amax(1) / 448).clamp_min(1 / (448 * 512))
+        assert torch.allclose(sc, ref, rtol=1e-6, atol=0), (sc, ref)
+        q, sc = BQ.quantize(y, "fp8_group128")
+        ref = yf.reshape(5, 9, 128).abs().amax(2).clamp_min(1e-10) / 448
+        assert sc.shape == (5, 9) and torch.allclose(sc, ref, rtol=1e-6, atol=0), (sc, ref)
+        q, sc = BQ.quantize(y, "fp8_static", torch.full((1,), 1 / 16))
+        assert sc is None and q.shape == (5, 1152)
+        assert BQ.quantize(y[:0], "fp8_group128")[1].shape == (0, 9)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                           os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
