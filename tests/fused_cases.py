@@ -16,10 +16,10 @@ import torch
 
 import arfuse
 from arfuse import reference
-
-# ‖out − ref‖ / ‖ref‖ bounds per activation dtype (issue 3).
-TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# The inputs, poisoning, tolerances (‖out − ref‖ / ‖ref‖ per activation dtype, issue 3) and
+# element checks are the package's (arfuse/_checks.py), shared with torchrun -m arfuse.dist_check.
+from arfuse._checks import (DTYPES, TOL, _plant_specials, _rand, bits, check_fp8,  # noqa: F401
+                            check_tensor, fp8_ulp_distance, make_inputs, poison_like, rel_err)
 
 
 @dataclasses.dataclass
@@ -82,88 +82,6 @@ class Case:
         return (self.tokens,) if self.quant == "fp8_token" else (self.tokens, self.hidden // 128)
 
 
-def _rand(shape, dtype, device, gen, scale=1.0):
-    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
-
-
-def make_inputs(case: Case, device, seed: int):
-    """Per-rank inputs (expert_out, permuted_idx, expert_weights, shared_out) and the replicated
-    residual and gamma, all fresh random values."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    T, H, K, dt = case.tokens, case.hidden, case.topk, case.dtype
-    ranks = []
-    for _ in range(case.world):
-        inp = {}
-        if case.layout == "plain":
-            inp["expert_out"] = _rand((T, H), dt, device, gen)
-        elif case.layout == "dense":
-            inp["expert_out"] = _rand((T, K, H), dt, device, gen)
-        else:
-            P = T * K + 3  # a few padding rows nobody points at
-            inp["expert_out"] = _rand((P, H), dt, device, gen)
-            perm = torch.randperm(T * K, generator=gen, device=device).to(torch.int32)
-            idx = perm.reshape(T, K) if T > 0 else torch.empty(0, K, dtype=torch.int32, device=device)
-            if case.absent > 0 and T > 0:
-                drop = torch.rand((T, K), generator=gen, device=device) < case.absent
-                idx = torch.where(drop, torch.full_like(idx, -1), idx)
-            inp["permuted_idx"] = idx.contiguous()
-        if case.layout != "plain" and case.weights is not None:
-            w = torch.rand((T, K), generator=gen, device=device) + 0.05
-            w = w / w.sum(dim=1, keepdim=True) if T > 0 else w
-            inp["expert_weights"] = w if case.weights == "f32" else w.to(dt)
-        if case.shared:
-            inp["shared_out"] = _rand((T, H), dt, device, gen, 0.5)
-        ranks.append(inp)
-    residual = _rand((T, H), dt, device, gen, 2.0)
-    gamma = (torch.rand((H,), generator=gen, device=device) + 0.5)
-    gamma = gamma if case.gamma_f32 else gamma.to(dt)
-    if case.specials and T >= 3:
-        _plant_specials(case, ranks, residual, gen)
-    return ranks, residual, gamma
-
-
-def _plant_specials(case: Case, ranks, residual, gen):
-    """-0.0 everywhere in token 0's residual and rank 0's rows; subnormals in token 1; a NaN in one
-    element of token 1 on the last rank; +Inf in token 2 on rank 0 (its row becomes Inf/NaN)."""
-    dt = case.dtype
-    tiny = torch.finfo(dt).smallest_normal / 4  # a subnormal of the activation dtype
-    residual[0] = -0.0
-    H = case.hidden
-    e0 = ranks[0]["expert_out"]
-    eL = ranks[-1]["expert_out"]
-    if case.layout == "permuted":
-        # Point tokens 0..2 at the padding rows that no other (t, k) uses.
-        P = e0.shape[0]
-        ranks[0]["permuted_idx"][0, 0] = P - 3
-        e0[P - 3] = -0.0
-        ranks[-1]["permuted_idx"][1, 0] = P - 1
-        eL[P - 1, 5 % H] = float("nan")
-        eL[P - 1, 7 % H] = tiny
-        ranks[0]["permuted_idx"][2, 0] = P - 2
-        e0[P - 2, 3 % H] = float("inf")
-    elif case.layout == "dense":
-        e0[0] = -0.0
-        eL[1, 0, 5 % H] = float("nan")
-        eL[1, 0, 7 % H] = tiny
-        e0[2, 0, 3 % H] = float("inf")
-    else:
-        e0[0] = -0.0
-        eL[1, 5 % H] = float("nan")
-        eL[1, 7 % H] = tiny
-        e0[2, 3 % H] = float("inf")
-    if "shared_out" in ranks[0]:
-        ranks[0]["shared_out"][0] = -0.0
-        ranks[0]["shared_out"][1, 9 % H] = tiny
-
-
-def poison_like(shape, dtype, device):
-    """A tensor of NaN bit patterns (0xFF bytes: NaN in every float format, 0xFF = NaN in e4m3fn)."""
-    *lead, last = shape
-    t = torch.empty((*lead, last * dtype.itemsize), dtype=torch.uint8, device=device).fill_(0xFF)
-    return t.view(dtype)
-
-
 def run_case(group, case: Case, seed: int, fp8_scale=None):
     """Runs the op on every rank of an emulated group. Returns per-rank (norm_out, residual_out)
     and the inputs. Outputs are poisoned: their memory is filled with NaN patterns just before
@@ -210,40 +128,6 @@ def run_case(group, case: Case, seed: int, fp8_scale=None):
     return outs, (ranks, residual, gamma)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a tensor, for bitwise comparisons (NaN == NaN, -0.0 != +0.0)."""
-    return t.contiguous().view(torch.uint8)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖/‖ref‖ over elements where ref is finite (after NaN/Inf positions matched)."""
-    o, r = out.double(), ref.double()
-    fin = torch.isfinite(r)
-    if not fin.any():
-        return 0.0
-    num = torch.linalg.vector_norm((o - r)[fin])
-    den = torch.linalg.vector_norm(r[fin])
-    if den == 0:
-        return float(num)
-    return float(num / den)
-
-
-def check_tensor(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> float:
-    o, r = out.double(), ref.double()
-    assert o.shape == r.shape, f"{what}: shape {tuple(o.shape)} != {tuple(r.shape)}"
-    nan_o, nan_r = torch.isnan(o), torch.isnan(r)
-    if not torch.equal(nan_o, nan_r):
-        bad = (nan_o != nan_r).nonzero()[:5].tolist()
-        raise AssertionError(f"{what}: NaN positions differ from the reference at {bad} "
-                             f"({int((nan_o != nan_r).sum())} elements)")
-    inf_r = torch.isinf(r)
-    if not torch.equal(torch.isinf(o), inf_r) or not torch.equal(o[inf_r], r[inf_r]):
-        raise AssertionError(f"{what}: infinities differ from the reference")
-    err = rel_err(o, r)
-    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.0e}"
-    return err
-
-
 def reference_for(case: Case, inputs, fp8_scale=None):
     ranks, residual, gamma = inputs
     norm, res = reference.fused_reference(ranks, residual, gamma, case.eps,
@@ -271,25 +155,6 @@ def check_case(case: Case, outs, inputs, fp8_scale=None) -> dict:
     else:
         norm_err = check_tensor(n0, norm_ref, tol, f"{case}: norm_out")
     return {"residual_out": res_err, "norm_out": norm_err}
-
-
-def fp8_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Distance in units in the last place between two e4m3fn tensors (ordered by code)."""
-    def ordered(x):
-        u = x.view(torch.uint8).to(torch.int32)
-        mag = u & 0x7F
-        return torch.where(u & 0x80 != 0, -mag, mag)
-    return (ordered(a) - ordered(b)).abs()
-
-
-def check_fp8(out: torch.Tensor, ref: torch.Tensor, what: str) -> float:
-    nan_o = torch.isnan(out.float())
-    nan_r = torch.isnan(ref.float())
-    assert torch.equal(nan_o, nan_r), f"{what}: NaN positions differ"
-    d = fp8_ulp_distance(out[~nan_r], ref[~nan_r])
-    worst = int(d.max()) if d.numel() else 0
-    assert worst <= 1, f"{what}: FP8 code {worst} ulp from the reference's (want <= 1)"
-    return float(worst)
 
 
 def new_seed() -> int:

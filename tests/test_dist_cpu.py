@@ -196,7 +196,7 @@ def test_fingerprint_sees_every_byte():
     assert dc.fingerprint([a, b]) != dc.fingerprint([b.flip(0), a])
 
 
-# ---- the package copy of the suite's helpers ----------------------------------------------------
+# ---- the suite's Case (tests/fused_cases.py, with the FP8 fields) and the package's draw the same inputs
 def test_checks_draws_the_same_inputs_as_the_gpu_suite():
     fused_cases = pytest.importorskip("fused_cases")
     assert _checks.TOL == fused_cases.TOL and _checks.DTYPES == fused_cases.DTYPES
