@@ -15,7 +15,7 @@ import random
 import torch
 
 import arfuse
-from arfuse import reference
+from arfuse import _checks, reference
 # The inputs, poisoning, tolerances (‖out − ref‖ / ‖ref‖ per activation dtype, issue 3) and
 # element checks are the package's (arfuse/_checks.py), shared with torchrun -m arfuse.dist_check.
 from arfuse._checks import (DTYPES, TOL, _plant_specials, _rand, bits, check_fp8,  # noqa: F401
@@ -23,47 +23,18 @@ from arfuse._checks import (DTYPES, TOL, _plant_specials, _rand, bits, check_fp8
 
 
 @dataclasses.dataclass
-class Case:
-    world: int
-    hidden: int
-    dtype: torch.dtype
-    tokens: int
-    layout: str = "dense"  # plain | dense | permuted
-    topk: int = 8
-    weights: str | None = "f32"  # None | "f32" | "act"
-    shared: bool = True
-    routed_scaling: float = 1.0
-    weight_bias: float = 0.0
-    gamma_f32: bool = False
-    absent: float = 0.0  # permuted: fraction of (t, k) with index -1
-    specials: bool = False  # -0.0, subnormals, NaN, Inf in the inputs
-    eps: float = 1e-6
-    algorithm: str = "auto"
-    fp8: bool = False
-    inplace: bool = False
-    # Dynamic FP8 outputs (fused_fp8_dynamic): "fp8_token" or "fp8_group128"; scale_ub: the
-    # per-token upper bound (a float32 one-element tensor is made of it); scale_col: column-major
-    # group scales; ue8m0: power-of-two group scales.
+class Case(_checks.Case):
+    """The package's case (arfuse/_checks.py) plus the dynamic FP8 outputs (fused_fp8_dynamic):
+    quant "fp8_token" or "fp8_group128"; scale_ub: the per-token upper bound (a float32
+    one-element tensor is made of it); scale_col: column-major group scales; ue8m0: power-of-two
+    group scales."""
     quant: str | None = None
     scale_ub: float | None = None
     scale_col: bool = False
     ue8m0: bool = False
 
     def __str__(self) -> str:
-        d = {v: k for k, v in DTYPES.items()}[self.dtype]
-        s = (f"N{self.world}-H{self.hidden}-{d}-T{self.tokens}-{self.layout}-K{self.topk}-"
-             f"w{self.weights}-sh{int(self.shared)}-rs{self.routed_scaling}-wb{self.weight_bias}-"
-             f"{self.algorithm}")
-        if self.gamma_f32:
-            s += "-g32"
-        if self.absent:
-            s += f"-abs{self.absent}"
-        if self.specials:
-            s += "-specials"
-        if self.fp8:
-            s += "-fp8"
-        if self.inplace:
-            s += "-inplace"
+        s = super().__str__()
         if self.quant:
             s += f"-{self.quant}"
         if self.scale_ub is not None:
