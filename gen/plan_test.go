@@ -6,11 +6,7 @@ import (
 )
 
 func TestPlanSpecialised(t *testing.T) {
-	cases := []struct {
-		dtype  string
-		hidden int
-		want   Plan
-	}{
+	cases := []planCase{
 		// Cluster 4: 896 vectors, 4 CTAs of 224 (8 would leave 112 < 128).
 		{"bf16", 7168, Plan{Vec: 8, Nvec: 896, Cluster: 4, Slice: 224, ThreadsPerToken: 224, VecsPerThread: 1, TokensPerBlock: 1, BlockThreads: 224, MaxHidden: 7168, RowInRegisters: true}},
 		// gpt-oss-120b: 360 vectors, cluster 2 (4 would leave 90), slice 180 rounds up to 192 threads.
@@ -26,16 +22,7 @@ func TestPlanSpecialised(t *testing.T) {
 		{"fp16", 8184, Plan{Vec: 8, Nvec: 1023, Cluster: 1, Slice: 1023, ThreadsPerToken: 256, VecsPerThread: 4, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 8184, RowInRegisters: true}},
 		{"bf16", 65536, Plan{Vec: 8, Nvec: 8192, Cluster: 8, Slice: 1024, ThreadsPerToken: 256, VecsPerThread: 4, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 65536, RowInRegisters: true}},
 	}
-	for _, c := range cases {
-		got, err := planSpecialised(dtypeByName(c.dtype), c.hidden, algoByName("oneshot"))
-		if err != nil {
-			t.Errorf("%s %d: %v", c.dtype, c.hidden, err)
-			continue
-		}
-		if got != c.want {
-			t.Errorf("%s %d:\n got %+v\nwant %+v", c.dtype, c.hidden, got, c.want)
-		}
-	}
+	checkPlans(t, "oneshot", cases)
 }
 
 func TestPlanRejects(t *testing.T) {
@@ -60,11 +47,7 @@ func TestPlanRejects(t *testing.T) {
 
 // Two-shot: one CTA per token, up to 512 threads, no cluster while the row fits in registers.
 func TestPlanTwoShot(t *testing.T) {
-	cases := []struct {
-		dtype  string
-		hidden int
-		want   Plan
-	}{
+	cases := []planCase{
 		// 896 vectors: 2 per thread, 448 threads.
 		{"bf16", 7168, Plan{Vec: 8, Nvec: 896, Cluster: 1, Slice: 896, ThreadsPerToken: 448, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 448, MaxHidden: 7168, RowInRegisters: true}},
 		// At least 2 vectors per thread: 512 vectors on 256 threads, not 512 threads of 1.
@@ -78,14 +61,25 @@ func TestPlanTwoShot(t *testing.T) {
 		// Too long for 512 threads x 8 vectors: the clustered plan of one-shot.
 		{"bf16", 65536, Plan{Vec: 8, Nvec: 8192, Cluster: 8, Slice: 1024, ThreadsPerToken: 256, VecsPerThread: 4, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 65536, RowInRegisters: true}},
 	}
+	checkPlans(t, "twoshot", cases)
+}
+
+type planCase struct {
+	dtype  string
+	hidden int
+	want   Plan
+}
+
+func checkPlans(t *testing.T, algo string, cases []planCase) {
+	t.Helper()
 	for _, c := range cases {
-		got, err := planSpecialised(dtypeByName(c.dtype), c.hidden, algoByName("twoshot"))
+		got, err := planSpecialised(dtypeByName(c.dtype), c.hidden, algoByName(algo))
 		if err != nil {
-			t.Errorf("%s %d: %v", c.dtype, c.hidden, err)
+			t.Errorf("%s %s %d: %v", algo, c.dtype, c.hidden, err)
 			continue
 		}
 		if got != c.want {
-			t.Errorf("%s %d:\n got %+v\nwant %+v", c.dtype, c.hidden, got, c.want)
+			t.Errorf("%s %s %d:\n got %+v\nwant %+v", algo, c.dtype, c.hidden, got, c.want)
 		}
 	}
 }
