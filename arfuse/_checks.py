@@ -28,6 +28,24 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
+# The input forms and options both suites sweep (tests/test_gpu_fused.py, arfuse.dist_check):
+# layout, K, weights, shared, routed_scaling, weight_bias, gamma_f32, absent
+OPTION_CASES = [
+    ("plain", 1, None, True, 1.0, 0.0, False, 0.0),
+    ("plain", 1, None, False, 2.5, 1.0, True, 0.0),
+    ("dense", 1, "f32", False, 1.0, 0.0, False, 0.0),
+    ("dense", 2, "act", True, 1.0, 1.0, False, 0.0),
+    ("dense", 4, None, True, 2.5, 0.0, True, 0.0),
+    ("dense", 8, "f32", False, 1.0, 0.0, False, 0.0),
+    ("dense", 10, "act", True, 2.5, 1.0, True, 0.0),
+    ("permuted", 1, "f32", True, 1.0, 0.0, False, 0.5),
+    ("permuted", 2, None, False, 1.0, 1.0, False, 0.0),
+    ("permuted", 4, "act", True, 2.5, 0.0, True, 0.3),
+    ("permuted", 8, "f32", True, 2.5, 1.0, False, 0.6),
+    ("permuted", 10, "act", False, 1.0, 0.0, True, 0.2),
+    ("permuted", 8, "f32", True, 1.0, 0.0, False, 1.0),  # no expert of any token on any rank
+]
+
 
 def _require(cond, msg) -> None:
     if not cond:

@@ -88,23 +88,6 @@ QUICK_REPLAYS = 200
 DEFAULT_MAX_TOKENS = 256
 FP8_SCALE = 0.02
 
-# The input forms and options of tests/test_gpu_fused.py:
-# layout, K, weights, shared, routed_scaling, weight_bias, gamma_f32, absent
-OPTION_CASES = [
-    ("plain", 1, None, True, 1.0, 0.0, False, 0.0),
-    ("plain", 1, None, False, 2.5, 1.0, True, 0.0),
-    ("dense", 1, "f32", False, 1.0, 0.0, False, 0.0),
-    ("dense", 2, "act", True, 1.0, 1.0, False, 0.0),
-    ("dense", 4, None, True, 2.5, 0.0, True, 0.0),
-    ("dense", 8, "f32", False, 1.0, 0.0, False, 0.0),
-    ("dense", 10, "act", True, 2.5, 1.0, True, 0.0),
-    ("permuted", 1, "f32", True, 1.0, 0.0, False, 0.5),
-    ("permuted", 2, None, False, 1.0, 1.0, False, 0.0),
-    ("permuted", 4, "act", True, 2.5, 0.0, True, 0.3),
-    ("permuted", 8, "f32", True, 2.5, 1.0, False, 0.6),
-    ("permuted", 10, "act", False, 1.0, 0.0, True, 0.2),
-    ("permuted", 8, "f32", True, 1.0, 0.0, False, 1.0),  # no expert of any token on any rank
-]
 # Shapes (hidden, dtype) per suite: the full run, then --quick.
 SHAPES = {
     "token_counts": ([(7168, "bf16"), (4096, "bf16"), (2880, "bf16"), (2048, "bf16"),
@@ -248,7 +231,7 @@ def build_cases(world: int, *, quick: bool = False, max_tokens: int = DEFAULT_MA
                 specialised=(), suites=SUITES) -> list[DistCase]:
     """The cases of the GPU suites for a world size, in a fixed order (every rank builds the same
     list). The graph check is not a case (see run_graph)."""
-    from ._checks import DTYPES, Case
+    from ._checks import DTYPES, OPTION_CASES, Case  # OPTION_CASES: the GPU suite's input forms
 
     def shapes(suite):
         return SHAPES[suite][1 if quick else 0]

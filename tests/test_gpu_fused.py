@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import arfuse
+from arfuse import _checks
 from arfuse.testing import LocalGroup
 from fused_cases import (DTYPES, TOL, Case, bits, check_case, check_tensor, make_inputs,
                          new_seed, run_case)
@@ -115,22 +116,7 @@ def test_token_counts(groups, shape, tokens, algorithm):
 
 
 # ---- input forms and options ---------------------------------------------------------------
-OPTION_CASES = [
-    # layout, K, weights, shared, routed_scaling, weight_bias, gamma_f32, absent
-    ("plain", 1, None, True, 1.0, 0.0, False, 0.0),
-    ("plain", 1, None, False, 2.5, 1.0, True, 0.0),
-    ("dense", 1, "f32", False, 1.0, 0.0, False, 0.0),
-    ("dense", 2, "act", True, 1.0, 1.0, False, 0.0),
-    ("dense", 4, None, True, 2.5, 0.0, True, 0.0),
-    ("dense", 8, "f32", False, 1.0, 0.0, False, 0.0),
-    ("dense", 10, "act", True, 2.5, 1.0, True, 0.0),
-    ("permuted", 1, "f32", True, 1.0, 0.0, False, 0.5),
-    ("permuted", 2, None, False, 1.0, 1.0, False, 0.0),
-    ("permuted", 4, "act", True, 2.5, 0.0, True, 0.3),
-    ("permuted", 8, "f32", True, 2.5, 1.0, False, 0.6),
-    ("permuted", 10, "act", False, 1.0, 0.0, True, 0.2),
-    ("permuted", 8, "f32", True, 1.0, 0.0, False, 1.0),  # no expert of any token on any rank
-]
+OPTION_CASES = _checks.OPTION_CASES  # layout, K, weights, shared, routed_scaling, weight_bias, gamma_f32, absent
 
 
 @pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
