@@ -116,7 +116,8 @@ def test_token_counts(groups, shape, tokens, algorithm):
 
 
 # ---- input forms and options ---------------------------------------------------------------
-OPTION_CASES = _checks.OPTION_CASES  # layout, K, weights, shared, routed_scaling, weight_bias, gamma_f32, absent
+# layout, K, weights, shared, routed_scaling, weight_bias, gamma_f32, absent
+OPTION_CASES = _checks.OPTION_CASES
 
 
 @pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
