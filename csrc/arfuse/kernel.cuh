@@ -42,15 +42,6 @@ struct KernelConfig {
   static constexpr int kVec = Elem<T>::kVec;
   static constexpr bool kGeneric = kHidden == 0;
   static constexpr int kBlockThreads = kGeneric ? 512 : kTpt * kTpb;  // launch bound
-  // Blocks per SM the register allocation must allow (__launch_bounds__'s second argument; 0 =
-  // not given: ptxas's own choice). Specialised blocks of 384-512 threads (the two-shot plans of
-  // large rows) at 2: left to ptxas, the dynamic-FP8 two-shot instances of H = 7168 took 96
-  // registers, so only one 448-thread block fit per SM, and they ran 1.5x slower than the norm
-  // output at T >= 256 (docs/performance.md); 2 caps them at 72 registers. Not 1 for the others:
-  // an explicit 1 lets ptxas use more registers than it chooses by itself (72 -> 108 for the
-  // 224-thread one-shot blocks), halving their co-resident blocks; 0 leaves their code byte for
-  // byte what it was.
-  static constexpr int kMinBlocks = (!kGeneric && kBlockThreads >= 384) ? 2 : 0;
   static constexpr int kWarpsPerToken = kGeneric ? 16 : (kTpt + 31) / 32;
   // Ranks polled per batch: all of them when N is fixed (loads issued together), 4 otherwise.
   static constexpr int kRankBatch = kWorld == 0 ? 4 : (kWorld < 8 ? kWorld : 8);
@@ -349,7 +340,7 @@ __device__ __forceinline__ void sum_ranks(const LaunchParams& p, const Geometry<
 }
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kBlockThreads, Cfg::kMinBlocks)
+__global__ void __launch_bounds__(Cfg::kBlockThreads)
     fused_kernel(const __grid_constant__ LaunchParams p) {
   using T = typename Cfg::T;
   constexpr int kVec = Cfg::kVec;
