@@ -20,18 +20,25 @@ def _check_comm(comm: int) -> None:
                          f"{info[0]} of {info[1]} on {'cuda:%d' % info[7] if info[7] >= 0 else 'cpu'}")
 
 
-def _compute(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
-             weight_bias, routed_scaling, fp8_scale):
+def _norm_and_residual(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
+                       eps, weight_bias, routed_scaling):
+    """The op at world size 1: the partial rounded once to the activation dtype, then residual +
+    RMSNorm. Returns (norm as the kernel's float32 y, residual_out)."""
     dtype = expert_out.dtype
     T = permuted_idx.shape[0] if permuted_idx is not None else expert_out.shape[0]
     partial = reference.finalize(expert_out, num_tokens=T, permuted_idx=permuted_idx,
                                  expert_weights=expert_weights, shared_out=shared_out,
                                  routed_scaling=routed_scaling).to(dtype)
-    norm, residual_out = reference.allreduce_add_rmsnorm([partial], residual, gamma, eps,
-                                                         weight_bias, dtype)
+    return reference.allreduce_add_rmsnorm([partial], residual, gamma, eps, weight_bias, dtype)
+
+
+def _compute(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
+             weight_bias, routed_scaling, fp8_scale):
+    norm, residual_out = _norm_and_residual(expert_out, permuted_idx, expert_weights, shared_out,
+                                            residual, gamma, eps, weight_bias, routed_scaling)
     if fp8_scale is not None:
         return reference.quantize_fp8_static(norm, fp8_scale), residual_out
-    return norm.to(dtype), residual_out
+    return norm.to(expert_out.dtype), residual_out
 
 
 def fused_cpu(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
@@ -50,13 +57,8 @@ def fused_fp8_dynamic_cpu(expert_out, permuted_idx, expert_weights, shared_out, 
     torch.ops.arfuse.validate_fp8_dynamic(expert_out, permuted_idx, expert_weights, shared_out,
                                           residual, gamma, eps, weight_bias, group_size, scale_ub,
                                           col_major_scales, ue8m0, comm, algorithm)
-    dtype = expert_out.dtype
-    T = permuted_idx.shape[0] if permuted_idx is not None else expert_out.shape[0]
-    partial = reference.finalize(expert_out, num_tokens=T, permuted_idx=permuted_idx,
-                                 expert_weights=expert_weights, shared_out=shared_out,
-                                 routed_scaling=routed_scaling).to(dtype)
-    norm, residual_out = reference.allreduce_add_rmsnorm([partial], residual, gamma, eps,
-                                                         weight_bias, dtype)
+    norm, residual_out = _norm_and_residual(expert_out, permuted_idx, expert_weights, shared_out,
+                                            residual, gamma, eps, weight_bias, routed_scaling)
     # norm is the float32 y of the kernel. The scale rules are evaluated in float64 and rounded
     # once to float32 (amax / 448 so rounded is the kernel's float32 division); the codes are
     # y / scale with that float32 scale, as the kernel divides.
