@@ -29,14 +29,20 @@ def _shape(expert_out, permuted_idx, residual):
     return expert_out.shape[0], expert_out.shape[-1]
 
 
-def fused_fake(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
-               weight_bias, routed_scaling, fp8_scale, comm, algorithm):
+def _check_input(expert_out, permuted_idx, residual, comm):
+    """The checks both fused ops' fakes share; returns (activation dtype, T, H)."""
     dtype, hidden = _comm_dtype_hidden(comm)
     T, H = _shape(expert_out, permuted_idx, residual)
     torch._check(expert_out.dtype == dtype,
                  lambda: f"arfuse: expert_out: dtype {expert_out.dtype} does not match the communicator's {dtype}")
     torch._check(expert_out.dim() in (2, 3), lambda: f"arfuse: expert_out: want 2 or 3 dims, got {expert_out.dim()}")
     torch._check(H == hidden, lambda: f"arfuse: hidden size {H} does not match the communicator's {hidden}")
+    return dtype, T, H
+
+
+def fused_fake(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
+               weight_bias, routed_scaling, fp8_scale, comm, algorithm):
+    dtype, T, H = _check_input(expert_out, permuted_idx, residual, comm)
     out_dtype = torch.float8_e4m3fn if fp8_scale is not None else dtype
     return (expert_out.new_empty((T, H), dtype=out_dtype), expert_out.new_empty((T, H), dtype=dtype))
 
@@ -44,12 +50,7 @@ def fused_fake(expert_out, permuted_idx, expert_weights, shared_out, residual, g
 def fused_fp8_dynamic_fake(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
                            eps, weight_bias, routed_scaling, group_size, scale_ub,
                            col_major_scales, ue8m0, comm, algorithm):
-    dtype, hidden = _comm_dtype_hidden(comm)
-    T, H = _shape(expert_out, permuted_idx, residual)
-    torch._check(expert_out.dtype == dtype,
-                 lambda: f"arfuse: expert_out: dtype {expert_out.dtype} does not match the communicator's {dtype}")
-    torch._check(expert_out.dim() in (2, 3), lambda: f"arfuse: expert_out: want 2 or 3 dims, got {expert_out.dim()}")
-    torch._check(H == hidden, lambda: f"arfuse: hidden size {H} does not match the communicator's {hidden}")
+    dtype, T, H = _check_input(expert_out, permuted_idx, residual, comm)
     torch._check(group_size in (0, 128),
                  lambda: f"arfuse: group_size: {group_size} is not supported (want 0 or 128)")
     q = expert_out.new_empty((T, H), dtype=torch.float8_e4m3fn)

@@ -651,6 +651,17 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:500]
 
 
+def _status(comm, status, local_err):
+    """The communicator's status word after a call (``status`` unchanged without a communicator
+    or when reading it fails), and the first error."""
+    if comm is None:
+        return status, local_err
+    try:
+        return comm.status(), local_err
+    except Exception as e:
+        return status, local_err or _err(e)
+
+
 def run_case(runner, dc: DistCase, seed: int) -> dict:
     """Runs and checks one case on every rank (collectively); the record of the case."""
     import torch
@@ -680,11 +691,7 @@ def run_case(runner, dc: DistCase, seed: int) -> dict:
         runner.sync()
     except Exception as e:
         local_err = _err(e)
-    if comm is not None:
-        try:
-            status = comm.status()
-        except Exception as e:
-            local_err = local_err or _err(e)
+    status, local_err = _status(comm, status, local_err)
     # 2. agree on what happened
     states = runner.gather_obj({"err": local_err, "status": status, "fp": fp})
     problems = {r: s["err"] for r, s in enumerate(states) if s["err"]}
@@ -812,11 +819,7 @@ def run_graph(runner, seed: int, replays: int, quick: bool) -> dict:
         mismatches = int(count)
     except Exception as e:
         local_err = _err(e)
-    if comm is not None:
-        try:
-            status = comm.status()
-        except Exception as e:
-            local_err = local_err or _err(e)
+    status, local_err = _status(comm, status, local_err)
     states = runner.gather_obj({"err": local_err, "status": status, "mismatches": mismatches,
                                 "seconds": seconds})
     problems = {}

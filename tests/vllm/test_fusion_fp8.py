@@ -23,7 +23,6 @@ H.require_vllm()
 H.require_arfuse()
 H.cpu_quant_ops()
 
-from arfuse.comm import cpu_communicator  # noqa: E402
 from vllm.compilation.passes.vllm_inductor_pass import VllmPatternMatcherPass  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm  # noqa: E402
@@ -34,7 +33,7 @@ from arfuse.vllm import plugin  # noqa: E402
 from arfuse.vllm.fusion import ArfuseAllReduceFusionPass  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-MAX_TOKENS = 64
+MAX_TOKENS = 64  # the communicators' capacity (tests/vllm/conftest.py)
 T = 7
 DTYPE = torch.bfloat16
 STATIC_QUANT = "_C::static_scaled_fp8_quant"
@@ -43,23 +42,7 @@ PER_TOKEN_QUANT = "_C::dynamic_per_token_scaled_fp8_quant"
 SCALES = (0.004, 0.01, 0.02, 0.05)
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
-
-
-@pytest.fixture
-def comms():
-    made = []
-
-    def make(spec, dtype=DTYPE):
-        comm = cpu_communicator(max_tokens=MAX_TOKENS, hidden=spec.hidden, dtype=dtype)
-        made.append(comm)
-        return comm
-
-    yield make
-    for c in made:
-        c.close()
+# root, comms: tests/vllm/conftest.py
 
 
 def setup(root, spec, custom_quant: bool):

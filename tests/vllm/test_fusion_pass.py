@@ -17,7 +17,6 @@ import vllm_harness as H
 H.require_vllm()
 H.require_arfuse()
 
-from arfuse.comm import cpu_communicator  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 from vllm.config.utils import Range  # noqa: E402
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm  # noqa: E402
@@ -31,27 +30,11 @@ AR = "vllm::all_reduce"
 RMS = "vllm_ir::rms_norm"
 ADD_RMS = "vllm_ir::fused_add_rms_norm"
 FUSED = "arfuse::fused"
-MAX_TOKENS = 64
+MAX_TOKENS = 64  # the communicators' capacity (tests/vllm/conftest.py)
 T = 7  # tokens in the test batches
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("models")
-
-
-@pytest.fixture
-def comms():
-    made = []
-
-    def make(spec, dtype, max_tokens=MAX_TOKENS):
-        comm = cpu_communicator(max_tokens=max_tokens, hidden=spec.hidden, dtype=dtype)
-        made.append(comm)
-        return comm
-
-    yield make
-    for c in made:
-        c.close()
+# root, comms: tests/vllm/conftest.py
 
 
 def setup(root, spec, dtype):
