@@ -56,7 +56,7 @@ toolchain: env
 	  else nvcc_path=$$(scripts/install-cuda.sh $(PYTHON) .cuda | tail -n 1); fi; \
 	fi; \
 	nvcc_path=$$(command -v "$$nvcc_path" || echo "$$nvcc_path"); nvcc_path=$$(readlink -f "$$nvcc_path"); \
-	mkdir -p build; echo "$$nvcc_path" > build/nvcc.path; echo "nvcc: $$nvcc_path"
+	mkdir -p build; echo "$$nvcc_path" > build/nvcc.path.$$$$ && mv -f build/nvcc.path.$$$$ build/nvcc.path; echo "nvcc: $$nvcc_path"
 
 generate:
 ifeq ($(SKIP_GEN),0)

@@ -31,7 +31,6 @@ bench=build/bench; rm -rf "$bench"; mkdir -p "$bench"
 # The default build beside the CI build and the suite: the nvcc work of both overlaps.
 make lib GENDIR=out SKIP_GEN=1 PYTHON=python3 NVCC=${NVCC:-nvcc} JOBS=$(nproc) >"$bench/build-default.log" 2>&1 &
 default_build=$!
-sleep 3   # its toolchain step writes build/nvcc.path first (the CI build's rewrites the same line)
 
 if [ -z "${SKIP_CHECK:-}" ]; then
   scripts/gpu-check.sh "$out" 2>&1 | tail -n 15
