@@ -10,7 +10,7 @@ if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want"
   exit 0
 fi
 python3 -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q -r requirements.txt
+"$venv/bin/python" -m pip install -q --no-cache-dir --upgrade pip
+"$venv/bin/python" -m pip install -q --no-cache-dir -r requirements.txt
 echo "$want" >"$stamp"
 echo "bootstrap: $venv ready ($("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -18,7 +18,7 @@ if [ -x "$nvcc" ] && [ "$(cat "$dest/.pins" 2>/dev/null)" = "$pins" ]; then
 fi
 rm -rf "$dest"
 # One pip call for all packages: they share the nvidia/cu13 folder, which --target would replace.
-"$python" -m pip install -q --no-deps --target "$dest" $pins >&2
+"$python" -m pip install -q --no-cache-dir --no-deps --target "$dest" $pins >&2
 echo "$pins" >"$dest/.pins"
 "$nvcc" --version >&2
 echo "$nvcc"

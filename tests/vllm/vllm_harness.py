@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import socket
+import sys
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,16 +36,25 @@ VLLM_VERSION = "0.26.0"
 _NO_VLLM = "vLLM is not installed (scripts/install-vllm.sh installs the pinned release)"
 
 
+def _no_vllm_reason() -> str:
+    """Why vLLM is absent: scripts/install-vllm.sh leaves a note in the environment when it gave up
+    for lack of disk space; otherwise nobody installed it."""
+    try:
+        return (Path(sys.prefix) / ".arfuse-vllm-skipped").read_text().strip() or _NO_VLLM
+    except OSError:
+        return _NO_VLLM
+
+
 def require_vllm() -> Any:
     """At a test module's top: skips the module unless the real vLLM package is importable."""
     try:
         import vllm
     except ImportError:
-        pytest.skip(_NO_VLLM, allow_module_level=True)
+        pytest.skip(_no_vllm_reason(), allow_module_level=True)
     # Without vLLM installed, `import vllm` can find this very folder (tests/vllm) as a namespace
     # package; the real one has a version.
     if getattr(vllm, "__version__", None) is None:
-        pytest.skip(_NO_VLLM, allow_module_level=True)
+        pytest.skip(_no_vllm_reason(), allow_module_level=True)
     return vllm
 
 
