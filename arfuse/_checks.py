@@ -2,10 +2,10 @@
 
 The GPU suites (tests/fused_cases.py, tests/test_gpu_fused.py) and the multi-process check
 (arfuse.dist_check) draw and check cases the same way; this module holds the generic parts so that
-the package does not import from tests/. It is a copy of the definitions in tests/fused_cases.py
-(Case, make_inputs, poison_like, bits, rel_err, check_tensor, reference_for, the FP8 check and the
-tolerances), with `assert` replaced by explicit raises (still AssertionError) so that `python -O`
-cannot drop a check. tests/test_dist_cpu.py asserts that both draw identical inputs.
+the package does not import from tests/; tests/fused_cases.py imports these (Case, make_inputs,
+poison_like, bits, rel_err, check_tensor, the FP8 check and the tolerances) and adds the dynamic
+FP8 cases. Checks raise AssertionError explicitly rather than `assert`, so that `python -O` cannot
+drop one.
 
 Every case draws fresh random inputs from a seed (the same seed gives the same inputs on the same
 device type), poisons the outputs before the run (NaN bit patterns: an element the kernel does not

@@ -68,6 +68,8 @@ class Communicator:
             torch.ops.arfuse.comm_destroy(handle)
             raise
         self._init(handle)
+        # Peers in other processes write into this rank's buffer: close() waits for them.
+        self._peer_group = group if world > 1 else None
 
     @classmethod
     def _from_handle(cls, handle: int) -> "Communicator":
@@ -78,6 +80,7 @@ class Communicator:
     def _init(self, handle: int) -> None:
         info = torch.ops.arfuse.comm_info(handle)
         self._handle = handle
+        self._peer_group = None  # emulated groups: every rank is in this process (LocalGroup)
         self.rank, self.world_size, self.hidden = info[0], info[1], info[2]
         self.dtype = (torch.bfloat16, torch.float16, torch.float32)[info[3]]
         self.max_tokens, self.oneshot_max_tokens = info[4], info[5]
@@ -98,17 +101,34 @@ class Communicator:
         """0 when healthy; 1 + r after a call gave up waiting for rank r."""
         return torch.ops.arfuse.comm_status(self.handle)
 
-    def close(self) -> None:
-        """Frees the buffers (waits for the device first). Closing twice is harmless."""
-        if getattr(self, "_handle", None) is not None:
-            torch.ops.arfuse.comm_destroy(self._handle)
-            self._handle = None
+    def close(self, *, wait_for_peers: bool = True) -> None:
+        """Frees the buffers. Closing twice is harmless.
+
+        With peers in other processes, close() is collective, like the constructor: the rank
+        waits for its own GPU, then for every peer at a barrier of the group, and only then frees.
+        A peer's kernels still queued write into this rank's buffer through their IPC mapping,
+        and memory freed under them could be handed to the next allocation (a new Communicator's
+        buffer, which would take their late writes for data). wait_for_peers=False frees after
+        the local wait only: for a rank leaving after an error, whose peers may never reach the
+        barrier (leaving a `with` block by an exception does this)."""
+        if getattr(self, "_handle", None) is None:
+            return
+        group = getattr(self, "_peer_group", None)
+        if wait_for_peers and group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                dist.barrier(group=group)
+        torch.ops.arfuse.comm_destroy(self._handle)
+        self._handle = None
 
     def __enter__(self) -> "Communicator":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(wait_for_peers=exc_type is None)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"handle={self._handle}"

@@ -516,7 +516,10 @@ class Runner:
         comm = self.comms.pop((hidden, dtype), None)
         if comm is not None:
             try:
-                comm.close()
+                # No barrier: every caller comes after a gather of all ranks that followed each
+                # rank's device sync, so no peer kernel is still writing into this buffer; and a
+                # rank whose sync failed must not leave its peers waiting at a barrier.
+                comm.close(wait_for_peers=False)
             except Exception:  # a broken device: nothing more to free
                 pass
 

@@ -232,6 +232,59 @@ def test_bad_communicator_arguments(lib):
         mk(oneshot_max_tokens=9)
 
 
+def test_close_waits_for_peers_at_a_barrier(lib, monkeypatch):
+    # A Communicator with peers in other processes frees its buffer only after a barrier of its
+    # group (their queued kernels write into it); leaving a `with` block by an exception and
+    # wait_for_peers=False free at once. There is no multi-process group on the CPU: the group
+    # is a stand-in and the barrier records whether the buffer was still open when it ran.
+    import torch.distributed as dist
+
+    def is_open(h):
+        try:
+            torch.ops.arfuse.comm_info(h)
+            return True
+        except Exception:
+            return False
+
+    group, current, barriers = object(), [], []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "barrier",
+                        lambda group=None: barriers.append((group, is_open(current[-1]))))
+
+    def peered():
+        c = cpu_communicator(max_tokens=4, hidden=H, dtype=torch.bfloat16)
+        c._peer_group = group  # as the constructor sets it for a group of several ranks
+        current.append(c.handle)
+        barriers.clear()
+        return c
+
+    c = peered()
+    c.close()
+    assert barriers == [(group, True)] and not is_open(current[-1])
+    c.close()  # closed already: no second barrier
+    assert len(barriers) == 1
+
+    c = peered()
+    with c:
+        pass
+    assert barriers == [(group, True)] and not is_open(current[-1])
+
+    c = peered()
+    with pytest.raises(RuntimeError, match="boom"):
+        with c:
+            raise RuntimeError("boom")
+    assert barriers == [] and not is_open(current[-1])
+
+    c = peered()
+    c.close(wait_for_peers=False)
+    assert barriers == [] and not is_open(current[-1])
+
+    c = cpu_communicator(max_tokens=4, hidden=H, dtype=torch.bfloat16)  # no peers: no barrier
+    current.append(c.handle)
+    c.close()
+    assert barriers == [] and not is_open(current[-1])
+
+
 def test_closed_communicator(lib):
     c = cpu_communicator(max_tokens=4, hidden=H, dtype=torch.bfloat16)
     h = c.handle
