@@ -167,7 +167,8 @@ def get_communicator(vllm_config: Any, *, create: bool = True) -> Any | None:
 
 
 def close_communicators() -> None:
-    """Closes every communicator this module created (tests; process teardown)."""
+    """Closes every communicator this module created (tests; process teardown). Collective, as
+    Communicator.close() is: every rank of the group calls it."""
     with _lock:
         for comm in _communicators.values():
             comm.close()
