@@ -68,8 +68,13 @@ class Communicator:
             torch.ops.arfuse.comm_destroy(handle)
             raise
         self._init(handle)
-        # Peers in other processes write into this rank's buffer: close() waits for them.
-        self._peer_group = group if world > 1 else None
+        self._has_peers, self._peer_group = self._peers(group, world)
+
+    @staticmethod
+    def _peers(group, world: int) -> tuple[bool, object]:
+        """(whether peers in other processes write into this rank's buffer, the group close()
+        waits for them on). group None is the default group, which barrier() takes as None too."""
+        return world > 1, group
 
     @classmethod
     def _from_handle(cls, handle: int) -> "Communicator":
@@ -80,7 +85,9 @@ class Communicator:
     def _init(self, handle: int) -> None:
         info = torch.ops.arfuse.comm_info(handle)
         self._handle = handle
-        self._peer_group = None  # emulated groups: every rank is in this process (LocalGroup)
+        # Emulated groups (LocalGroup): every rank is in this process, comm_destroy's device sync
+        # waits for all of them.
+        self._has_peers, self._peer_group = False, None
         self.rank, self.world_size, self.hidden = info[0], info[1], info[2]
         self.dtype = (torch.bfloat16, torch.float16, torch.float32)[info[3]]
         self.max_tokens, self.oneshot_max_tokens = info[4], info[5]
@@ -113,14 +120,13 @@ class Communicator:
         barrier (leaving a `with` block by an exception does this)."""
         if getattr(self, "_handle", None) is None:
             return
-        group = getattr(self, "_peer_group", None)
-        if wait_for_peers and group is not None:
+        if wait_for_peers and getattr(self, "_has_peers", False):
             import torch.distributed as dist
 
             if dist.is_initialized():
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                dist.barrier(group=group)
+                dist.barrier(group=self._peer_group)
         torch.ops.arfuse.comm_destroy(self._handle)
         self._handle = None
 

@@ -251,9 +251,17 @@ def test_close_waits_for_peers_at_a_barrier(lib, monkeypatch):
     monkeypatch.setattr(dist, "barrier",
                         lambda group=None: barriers.append((group, is_open(current[-1]))))
 
-    def peered():
+    from arfuse.comm import Communicator
+
+    # What the constructor records: peers whenever the group has several ranks, the default
+    # group (None) included; none for one rank.
+    assert Communicator._peers(group, 4) == (True, group)
+    assert Communicator._peers(None, 2) == (True, None)
+    assert Communicator._peers(None, 1)[0] is False
+
+    def peered(g=group):
         c = cpu_communicator(max_tokens=4, hidden=H, dtype=torch.bfloat16)
-        c._peer_group = group  # as the constructor sets it for a group of several ranks
+        c._has_peers, c._peer_group = Communicator._peers(g, 2)
         current.append(c.handle)
         barriers.clear()
         return c
@@ -268,6 +276,10 @@ def test_close_waits_for_peers_at_a_barrier(lib, monkeypatch):
     with c:
         pass
     assert barriers == [(group, True)] and not is_open(current[-1])
+
+    c = peered(None)  # Communicator(None, ...): the default group is the peers' group too
+    c.close()
+    assert barriers == [(None, True)] and not is_open(current[-1])
 
     c = peered()
     with pytest.raises(RuntimeError, match="boom"):
