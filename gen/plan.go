@@ -22,6 +22,7 @@ type Plan struct {
 	BlockThreads    int  // 0: chosen at launch (generic)
 	MaxHidden       int  // largest hidden size served
 	RowInRegisters  bool // the whole row slice stays in registers
+	MinBlocksPerSM  int  // blocks per SM the registers must leave room for (0: ptxas's choice)
 }
 
 // Variant is one kernel instance: its axes, its one name and its plan.
@@ -103,8 +104,19 @@ func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 	p.RowInRegisters = true
 	p.TokensPerBlock = max(1, 128/p.ThreadsPerToken)
 	p.BlockThreads = p.ThreadsPerToken * p.TokensPerBlock
+	if p.BlockThreads > minBlocksAbove {
+		p.MinBlocksPerSM = 2
+	}
 	return p, nil
 }
+
+// minBlocksAbove: blocks of more threads than this are compiled for two blocks per SM
+// (__launch_bounds__(threads, 2): at most 65536 / (2 * threads) registers, 72 at 448 threads).
+// Without it ptxas gave the 448-thread two-shot FP8 instances of H = 7168 96 registers, which
+// leaves room for one block per SM (43,008 of 65,536 registers) where their grid is sized for
+// two (docs/performance.md). Blocks of 256 threads or fewer fit two per SM at up to 128
+// registers, so they need no bound.
+const minBlocksAbove = 256
 
 // planGeneric plans the generic instance of a dtype: shape chosen at launch from the run-time
 // hidden size, one CTA per token, up to the register limit.

@@ -211,6 +211,7 @@ type manifestPlan struct {
 	BlockThreads    int  `json:"block_threads"`
 	Cluster         int  `json:"cluster"`
 	MaxHidden       int  `json:"max_hidden"`
+	MinBlocksPerSM  int  `json:"min_blocks_per_sm"`
 	Nvec            int  `json:"nvec"`
 	RowInRegisters  bool `json:"row_in_registers"`
 	Slice           int  `json:"slice"`
@@ -240,7 +241,8 @@ func renderManifest(g *Gen) ([]byte, error) {
 	m := manifestJSON{
 		APIVersion:  g.APIVersion,
 		GeneratedBy: generatedMarker + ". DO NOT EDIT.",
-		GridRule: "grid = min(ceil(T / tokens_per_block) * cluster, co-resident cap), chosen at launch " +
+		GridRule: "grid = min(units * cluster, co-resident cap), units = ceil(T / tokens_per_block) " +
+			"(one-shot) or N * ceil(ceil(T / N) / tokens_per_block) (two-shot), chosen at launch " +
 			"from the run-time token count T and the co-residency cap (LaunchParams::max_blocks); " +
 			"generic instances (threads_per_token 0) choose threads_per_token and block_threads at launch",
 		Instances: []manifestVariant{},
@@ -258,7 +260,8 @@ func renderManifest(g *Gen) ([]byte, error) {
 			Models: append([]string{}, v.Models...), Name: v.Name, Output: v.Out.Name,
 			Source: "kernels/" + v.Name + ".cu", WorldSize: v.World,
 			Plan: manifestPlan{
-				BlockThreads: p.BlockThreads, Cluster: p.Cluster, MaxHidden: p.MaxHidden, Nvec: p.Nvec,
+				BlockThreads: p.BlockThreads, Cluster: p.Cluster, MaxHidden: p.MaxHidden,
+				MinBlocksPerSM: p.MinBlocksPerSM, Nvec: p.Nvec,
 				RowInRegisters: p.RowInRegisters, Slice: p.Slice, ThreadsPerToken: p.ThreadsPerToken,
 				TokensPerBlock: p.TokensPerBlock, Vec: p.Vec, VecsPerThread: p.VecsPerThread,
 			},

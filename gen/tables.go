@@ -6,7 +6,7 @@ package main
 
 // apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
 // Every generated C++ file static_asserts on it so that stale output stops compiling.
-const apiVersion = 7
+const apiVersion = 8
 
 // vectorBytes is the width of one vectorised global-memory access.
 const vectorBytes = 16

@@ -12,8 +12,16 @@ each block does its phases in order:
             read [t_local][0..N), reset, and push the sum into every rank's gather area at [t];
             then read its own gather row [t] and reset it.
 
-A rank starts call c + 1 only when every block of call c has finished (stream order). The
-scheduler picks any step that can run. Checked: every value read is the one its sender wrote for
+Two-shot work is split into items (csrc/arfuse/kernel.cuh, TwoShotItems): item w = o * chunks + c
+is chunk c of owner o's tokens, and block b takes items b, b + G, ... in all three phases (phase 2:
+those of its own rank), so block b only waits for blocks b of its peers. `mapping="legacy"` is
+the earlier kernel (phases 1 and 3 strided over tokens, phase 2 over the owner's tokens), kept
+as a control.
+
+A rank starts call c + 1 only when every block of call c has finished (stream order). Only
+`resident` blocks of a rank run at a time, dispatched in index order (a GPU busy with other work,
+or a grid larger than what fits): the model checks that no wait depends on a block that cannot
+be dispatched. The scheduler picks any step that can run. Checked: every value read is the one its sender wrote for
 that call and token (no stale data from an earlier call, no data of a later call), every call
 ends (no deadlock), and after the last call every slot is all sentinel again. A control run with
 one slot must be caught, so the check can fail.
@@ -41,7 +49,8 @@ def partial(call: int, sender: int, t: int) -> tuple:
     return ("partial", call, sender, t)
 
 
-def build_call(rank: Rank, call: int, T: int, algo: str, grid: int, N: int, slots: int):
+def build_call(rank: Rank, call: int, T: int, algo: str, grid: int, N: int, slots: int,
+               mapping: str = "items"):
     """The steps of one call, per block, in the order a block executes them."""
     slot = call % slots
     per = -(-T // N)
@@ -55,7 +64,26 @@ def build_call(rank: Rank, call: int, T: int, algo: str, grid: int, N: int, slot
             for t in mine:
                 for n in range(N):
                     blocks[b].append(("read", slot, t * N + n, partial(call, n, t)))
-        else:
+        elif mapping == "items":
+            # one token per chunk (tokens_per_block 1): item w = owner * per + local
+            items = []
+            for w in range(b, per * N, grid):
+                owner, local = divmod(w, per)
+                t = owner * per + local
+                if t < T:
+                    items.append((owner, local, t))
+            for owner, local, t in items:
+                blocks[b].append(("write", owner, slot, local * N + rank.r, partial(call, rank.r, t)))
+            for owner, local, t in items:
+                if owner != rank.r:
+                    continue
+                for n in range(N):
+                    blocks[b].append(("read", slot, local * N + n, partial(call, n, t)))
+                for q in range(N):
+                    blocks[b].append(("write", q, slot, per * N + t, ("sum", call, t)))
+            for owner, local, t in items:
+                blocks[b].append(("read", slot, per * N + t, ("sum", call, t)))
+        else:  # legacy
             for t in mine:
                 owner, local = divmod(t, per)
                 blocks[b].append(("write", owner, slot, local * N + rank.r, partial(call, rank.r, t)))
@@ -68,23 +96,24 @@ def build_call(rank: Rank, call: int, T: int, algo: str, grid: int, N: int, slot
                 for q in range(N):
                     blocks[b].append(("write", q, slot, per * N + t, ("sum", call, t)))
             for t in mine:
-                owner = t // per
                 blocks[b].append(("read", slot, per * N + t, ("sum", call, t)))
     rank.blocks = [blk for blk in blocks if blk]
 
 
-def simulate(calls, N: int, slots: int, grid: int, seed: int, max_tokens: int):
+def simulate(calls, N: int, slots: int, grid: int, seed: int, max_tokens: int,
+             resident: int | None = None, mapping: str = "items"):
+    resident = grid if resident is None else resident
     rng = random.Random(seed)
     size = max(N * max_tokens, -(-max_tokens // N) * N + max_tokens)
     ranks = [Rank(r, N, slots, size) for r in range(N)]
     for rank in ranks:
-        build_call(rank, 0, *calls[0], grid, N, slots)
+        build_call(rank, 0, *calls[0], grid, N, slots, mapping)
     while True:
         runnable = []
         for rank in ranks:
             if rank.call >= len(calls):
                 continue
-            for bi, blk in enumerate(rank.blocks):
+            for bi, blk in enumerate(rank.blocks[:resident]):  # dispatched in index order
                 step = blk[0]
                 if step[0] == "read" and rank.buf[step[1]][step[2]] is SENT:
                     continue  # waiting for a peer
@@ -112,7 +141,7 @@ def simulate(calls, N: int, slots: int, grid: int, seed: int, max_tokens: int):
         if not rank.blocks:  # the call's last block finished: the next call may start
             rank.call += 1
             if rank.call < len(calls):
-                build_call(rank, rank.call, *calls[rank.call], grid, N, slots)
+                build_call(rank, rank.call, *calls[rank.call], grid, N, slots, mapping)
     for rank in ranks:
         for s, slot in enumerate(rank.buf):
             assert all(v is SENT for v in slot), f"rank {rank.r} slot {s} not clean at the end"
@@ -130,7 +159,36 @@ def test_protocol_under_random_interleavings(N, seed):
     rng = random.Random(1000 * N + seed)
     max_tokens = 6
     calls = random_calls(rng, 8, max_tokens)
-    simulate(calls, N, slots=3, grid=rng.choice([1, 2, 3]), seed=seed, max_tokens=max_tokens)
+    grid = rng.choice([1, 2, 3, 4])
+    simulate(calls, N, slots=3, grid=grid, seed=seed, max_tokens=max_tokens)
+
+
+@pytest.mark.parametrize("N", [2, 3, 4])
+@pytest.mark.parametrize("seed", range(30))
+def test_no_wait_needs_a_block_that_is_not_resident(N, seed):
+    """Fewer blocks resident than the grid has (other kernels on the SMs): every call still ends."""
+    rng = random.Random(7000 * N + seed)
+    max_tokens = 7
+    calls = random_calls(rng, 6, max_tokens)
+    grid = rng.choice([2, 3, 4])
+    simulate(calls, N, slots=3, grid=grid, seed=seed, max_tokens=max_tokens,
+             resident=rng.randint(1, grid - 1))
+
+
+def test_the_model_catches_the_legacy_two_shot_mapping():
+    """The earlier two-shot kernel (phase 2 strided over the owner's tokens, so block b waited for
+    peers' blocks of other indices) deadlocks when fewer blocks are resident than the grid has."""
+    deadlocks = 0
+    for seed in range(50):
+        try:
+            simulate([(6, "twoshot")] * 3, 2, slots=3, grid=4, seed=seed, max_tokens=6,
+                     resident=1, mapping="legacy")
+        except AssertionError as e:
+            assert "deadlock" in str(e)
+            deadlocks += 1
+    assert deadlocks > 0
+    for seed in range(50):  # the kernel's mapping, same calls: no deadlock
+        simulate([(6, "twoshot")] * 3, 2, slots=3, grid=4, seed=seed, max_tokens=6, resident=1)
 
 
 def test_two_slots_are_enough():

@@ -148,10 +148,20 @@ __device__ __forceinline__ uint4 ld_poll(const void* p) {
   return v;
 }
 
-// One 16-byte store (a peer's buffer or our own output).
+// One 16-byte store: outputs, and the reset of this rank's own buffer after reading it.
 __device__ __forceinline__ void st_vec(void* p, const uint4& v) {
   asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                "r"(v.w)
+               : "memory");
+}
+
+// One 16-byte store into a Lamport buffer that another rank polls (a peer GPU over NVLink, or
+// another rank's kernel on this GPU): relaxed at system scope, the strong counterpart of the
+// polls' ld.volatile (= ld.relaxed.sys), so a push and a poll of the same bytes are not a data
+// race in the PTX memory model. No ordering is needed beyond that: the data is its own flag.
+__device__ __forceinline__ void st_push(void* p, const uint4& v) {
+  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
                : "memory");
 }
 

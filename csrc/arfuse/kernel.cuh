@@ -4,7 +4,7 @@
 // kernel instance (out/kernels/<name>.cu) with the plan it decided in Go:
 //
 //   KernelConfig<T, OutKind, Algo, kHidden, kWorld, kThreadsPerToken, kVecsPerThread,
-//                kTokensPerBlock, kCluster>
+//                kTokensPerBlock, kCluster, kMinBlocksPerSM>
 //
 // kHidden == 0 / kWorld == 0 / kThreadsPerToken == 0 make the generic instance: hidden size,
 // world size and block size come from the launch (one token per block, up to kVecsPerThread
@@ -17,6 +17,10 @@
 //             [t_local][r] -> the owner sums its tokens in rank order, adds the residual and
 //             pushes residual_out rows to every rank's gather area -> every rank polls the
 //             gather area, writes residual_out and the RMSNorm of it.
+// Block b of every rank works on the same tokens in every phase it shares with its peers (one-shot:
+// token chunks b, b + G, ...; two-shot: the work items of TwoShotItems), so block b only ever
+// waits for blocks b of its peers. With blocks dispatched in index order no wait depends on a
+// block that cannot become resident (docs/design.md, tests/test_protocol_model.py).
 // Every wait is on Lamport sentinels in the data (no flags, no barriers between ranks); three
 // buffer slots rotate with a per-rank epoch so that no barrier is needed between calls either.
 #pragma once
@@ -28,7 +32,7 @@
 namespace arfuse {
 
 template <typename T_, OutKind kOut_, Algo kAlgo_, int kHidden_, int kWorld_, int kTpt_, int kVpt_,
-          int kTpb_, int kCluster_>
+          int kTpb_, int kCluster_, int kMinBlocks_>
 struct KernelConfig {
   using T = T_;
   static constexpr OutKind kOut = kOut_;
@@ -39,6 +43,9 @@ struct KernelConfig {
   static constexpr int kVpt = kVpt_;        // vectors per thread (max, when generic)
   static constexpr int kTpb = kTpb_;        // tokens per block
   static constexpr int kCluster = kCluster_;
+  // Blocks per SM the register allocation must leave room for (__launch_bounds__'s second
+  // argument); 0: none asked (ptxas's choice). Decided by the plan (gen/plan.go).
+  static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kVec = Elem<T>::kVec;
   static constexpr bool kGeneric = kHidden == 0;
   static constexpr int kBlockThreads = kGeneric ? 512 : kTpt * kTpb;  // launch bound
@@ -72,6 +79,28 @@ struct KernelConfig {
   static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4 || kCluster == 8, "cluster size");
   static_assert(kWorld == 0 || (kWorld >= 2 && kWorld <= kMaxWorld), "world size");
   static_assert(kBlockThreads <= 1024, "block too large");
+  static_assert(kMinBlocks >= 0 && kMinBlocks * kBlockThreads <= 2048,
+                "min blocks per SM: at most 2048 threads per SM");
+};
+
+// Two-shot work items. Owner o holds tokens [o * per, o * per + count(o)), per = ceil(T / N);
+// its tokens form chunks of kTpb, and item w = o * chunks + c is chunk c of owner o. Block b
+// (cluster b) takes items b, b + G, ... in phase 1 (finalize and push to the owner), the items of
+// its own rank among them in phase 2 (reduce, push to every gather area), and all of them again
+// in phase 3 (gather and norm). Phase 2 of item w on the owner waits for phase 1 of item w on
+// every rank, phase 3 for phase 2 of item w on the owner: the same block index everywhere.
+struct TwoShotItems {
+  int per, chunks, items;
+  __device__ __forceinline__ TwoShotItems(int T, int N, int tpb) {
+    per = (T + N - 1) / N;
+    chunks = (per + tpb - 1) / tpb;
+    items = chunks * N;
+  }
+  // The first item >= lo that block (cluster) id of G takes: lo rounded up to id modulo G.
+  __device__ __forceinline__ static int first_at_or_after(int lo, int id, int G) {
+    const int r = lo % G;
+    return lo - r + id + (id < r ? G : 0);
+  }
 };
 
 // Per-call geometry, derived once at kernel entry from the config and the launch.
@@ -340,8 +369,7 @@ __device__ __forceinline__ void sum_ranks(const LaunchParams& p, const Geometry<
 }
 
 template <class Cfg>
-__global__ void __launch_bounds__(Cfg::kBlockThreads)
-    fused_kernel(const __grid_constant__ LaunchParams p) {
+__device__ __forceinline__ void fused_body(const LaunchParams& p) {
   using T = typename Cfg::T;
   constexpr int kVec = Cfg::kVec;
   constexpr int kVpt = Cfg::kVpt;
@@ -363,7 +391,8 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
   const int64_t slot_off = static_cast<int64_t>(slot) * p.slot_elems;
   T* const own = static_cast<T*>(p.buffers[rank]);
 
-  const int per = (T_ + N - 1) / N;                        // two-shot: tokens per owner
+  const TwoShotItems items(T_, N, Cfg::kTpb);
+  const int per = items.per;                                    // two-shot: tokens per owner
   const int64_t gather_off = static_cast<int64_t>(per) * N * H;  // two-shot: gather area
   Waiter waiter;
   waiter.ctrl_error = &p.ctrl->error;
@@ -371,10 +400,28 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
   // new calls; this covers calls that were already queued when it happened).
   if (*reinterpret_cast<volatile uint32_t*>(&p.ctrl->error) != 0) waiter.gave_up = true;
 
+  // The work of phases 1 and 3: one-shot token chunks, or two-shot items (TwoShotItems). For work
+  // unit w: this thread's token t, its owner and its index there (two-shot), and whether the
+  // thread has a token at all. Uniform over the block: every thread runs the same units.
+  const int units = kOneShot ? (T_ + Cfg::kTpb - 1) / Cfg::kTpb : items.items;
+  auto unit_token = [&](int w, int& t, int& owner, int& local) -> bool {
+    if constexpr (kOneShot) {
+      t = w * Cfg::kTpb + geo.g;
+      owner = 0;
+      local = t;
+      return t < T_ && geo.g < Cfg::kTpb;
+    } else {
+      owner = w / items.chunks;
+      local = (w - owner * items.chunks) * Cfg::kTpb + geo.g;
+      t = owner * per + local;
+      return geo.g < Cfg::kTpb && local < per && t < T_;
+    }
+  };
+
   // ---- phase 1: finalize every token and push the partial row ----
-  for (int chunk = geo.cluster_id; chunk * Cfg::kTpb < T_; chunk += geo.num_clusters) {
-    const int t = chunk * Cfg::kTpb + geo.g;
-    if (t >= T_ || geo.g >= Cfg::kTpb) continue;
+  for (int w = geo.cluster_id; w < units; w += geo.num_clusters) {
+    int t, owner, local;
+    if (!unit_token(w, t, owner, local)) continue;
 #pragma unroll
     for (int i = 0; i < kVpt; ++i) {
       const int v = geo.vec(i);
@@ -387,27 +434,26 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
         const int64_t off = slot_off + (static_cast<int64_t>(t) * N + rank) * H + elem;
         if constexpr (Cfg::kWorld != 0) {
 #pragma unroll
-          for (int q = 0; q < Cfg::kWorld; ++q) st_vec(static_cast<T*>(p.buffers[q]) + off, out);
+          for (int q = 0; q < Cfg::kWorld; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
         } else {
-          for (int q = 0; q < N; ++q) st_vec(static_cast<T*>(p.buffers[q]) + off, out);
+          for (int q = 0; q < N; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
         }
       } else {
-        const int owner = t / per;
-        const int local = t - owner * per;
         const int64_t off = slot_off + (static_cast<int64_t>(local) * N + rank) * H + elem;
-        st_vec(static_cast<T*>(p.buffers[owner]) + off, out);
+        st_push(static_cast<T*>(p.buffers[owner]) + off, out);
       }
     }
   }
 
   if constexpr (!kOneShot) {
-    // ---- two-shot phase 2: the owner reduces its tokens and all-gathers residual_out ----
-    const int first = rank * per;
-    const int count = max(0, min(per, T_ - first));
-    for (int chunk = geo.cluster_id; chunk * Cfg::kTpb < count; chunk += geo.num_clusters) {
-      const int local = chunk * Cfg::kTpb + geo.g;
-      if (local >= count || geo.g >= Cfg::kTpb) continue;
-      const int64_t t = first + local;
+    // ---- two-shot phase 2: the owner reduces its tokens (its items among this block's) and
+    // all-gathers residual_out ----
+    const int lo = rank * items.chunks;
+    for (int w = TwoShotItems::first_at_or_after(lo, geo.cluster_id, geo.num_clusters);
+         w < lo + items.chunks; w += geo.num_clusters) {
+      int t_, owner, local;
+      if (!unit_token(w, t_, owner, local)) continue;
+      const int64_t t = t_;
 #pragma unroll
       for (int i = 0; i < kVpt; ++i) {
         const int v = geo.vec(i);
@@ -427,18 +473,19 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
         const int64_t off = slot_off + gather_off + t * H + elem;
         if constexpr (Cfg::kWorld != 0) {
 #pragma unroll
-          for (int q = 0; q < Cfg::kWorld; ++q) st_vec(static_cast<T*>(p.buffers[q]) + off, out);
+          for (int q = 0; q < Cfg::kWorld; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
         } else {
-          for (int q = 0; q < N; ++q) st_vec(static_cast<T*>(p.buffers[q]) + off, out);
+          for (int q = 0; q < N; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
         }
       }
     }
   }
 
   // ---- last phase: residual_out and RMSNorm for every token ----
-  for (int chunk = geo.cluster_id; chunk * Cfg::kTpb < T_; chunk += geo.num_clusters) {
-    const int t = chunk * Cfg::kTpb + geo.g;
-    const bool valid = t < T_ && geo.g < Cfg::kTpb;
+  for (int w = geo.cluster_id; w < units; w += geo.num_clusters) {
+    int t_, owner, local;
+    const bool valid = unit_token(w, t_, owner, local);
+    const int64_t t = t_;
     uint4 rv[kVpt];
     float sq = 0.0f;
 #pragma unroll
@@ -452,19 +499,18 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
                               ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
                               : make_uint4(0, 0, 0, 0);
         float s[kVec], r[kVec];
-        sum_ranks<Cfg>(p, geo, own + slot_off + static_cast<int64_t>(t) * N * H + elem, H, waiter,
-                       s);
+        sum_ranks<Cfg>(p, geo, own + slot_off + t * N * H + elem, H, waiter, s);
         unpack<T>(res, r);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) s[j] += r[j];
         rv[i] = canonical<T>(pack<T>(s));
       } else {
-        T* const row = own + slot_off + gather_off + static_cast<int64_t>(t) * H + elem;
-        rv[i] = waiter.wait<T>(row, p, t / per);
+        T* const row = own + slot_off + gather_off + t * H + elem;
+        rv[i] = waiter.wait<T>(row, p, owner);
         st_vec(row, sentinel_vec(sentinel_word<T>()));
       }
       if (waiter.gave_up) rv[i] = nan_vec<T>();
-      st_vec(static_cast<T*>(p.residual_out) + static_cast<int64_t>(t) * H + elem, rv[i]);
+      st_vec(static_cast<T*>(p.residual_out) + t * H + elem, rv[i]);
       float f[kVec];
       unpack<T>(rv[i], f);
 #pragma unroll
@@ -484,6 +530,28 @@ __global__ void __launch_bounds__(Cfg::kBlockThreads)
       __threadfence();
       *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch) = (epoch + 1) % kNumSlots;
     }
+  }
+}
+
+// The kernel. __launch_bounds__ takes the plan's minimum of blocks per SM only where the plan
+// asks for one: an explicit 1 is not the same as none (ptxas then allocated 108 registers to
+// instances that take 72 without it).
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kBlockThreads)
+    fused_kernel(const __grid_constant__ LaunchParams p) {
+  fused_body<Cfg>(p);
+}
+template <class Cfg>
+__global__ void __launch_bounds__(Cfg::kBlockThreads, Cfg::kMinBlocks)
+    fused_kernel_min_blocks(const __grid_constant__ LaunchParams p) {
+  fused_body<Cfg>(p);
+}
+template <class Cfg>
+constexpr auto kernel_of() {
+  if constexpr (Cfg::kMinBlocks > 0) {
+    return &fused_kernel_min_blocks<Cfg>;
+  } else {
+    return &fused_kernel<Cfg>;
   }
 }
 
@@ -508,7 +576,8 @@ cudaError_t launch_fused(const LaunchParams& p, cudaStream_t stream) {
       return cudaErrorInvalidValue;  // the host checks this first, with a clear error
     }
   }
-  const void* kernel = reinterpret_cast<const void*>(&fused_kernel<Cfg>);
+  constexpr auto kernel_fn = kernel_of<Cfg>();
+  const void* kernel = reinterpret_cast<const void*>(kernel_fn);
   int per_device = 0;
   cudaError_t err = detail::co_resident_blocks(kernel, block, Cfg::kCluster, &per_device);
   if (err != cudaSuccess) return err;
@@ -525,8 +594,13 @@ cudaError_t launch_fused(const LaunchParams& p, cudaStream_t stream) {
   cap = (cap / Cfg::kCluster) * Cfg::kCluster;
   if (cap < Cfg::kCluster) return cudaErrorLaunchOutOfResources;
   if (p.prepare_only) return cudaSuccess;
-  const int chunks = (p.num_tokens + Cfg::kTpb - 1) / Cfg::kTpb;
-  int grid = chunks * Cfg::kCluster;
+  // One cluster per work unit (token chunk; two-shot: item, see TwoShotItems), at most the cap.
+  int units = (p.num_tokens + Cfg::kTpb - 1) / Cfg::kTpb;
+  if constexpr (Cfg::kAlgo == Algo::kTwoShot) {
+    const int n = Cfg::kWorld != 0 ? Cfg::kWorld : p.world_size;
+    units = (((p.num_tokens + n - 1) / n + Cfg::kTpb - 1) / Cfg::kTpb) * n;
+  }
+  int grid = units * Cfg::kCluster;
   if (grid > cap) grid = cap;
 
   cudaLaunchConfig_t config = {};
@@ -544,7 +618,7 @@ cudaError_t launch_fused(const LaunchParams& p, cudaStream_t stream) {
     config.attrs = attr;
     config.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&config, fused_kernel<Cfg>, p);
+  return cudaLaunchKernelEx(&config, kernel_fn, p);
 }
 
 }  // namespace arfuse

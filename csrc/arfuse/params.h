@@ -10,7 +10,7 @@ namespace arfuse {
 
 // Bumped whenever LaunchParams, the kernel template's parameters or the launcher signature change.
 // Every generated file static_asserts on it, so stale generated output stops compiling.
-#define ARFUSE_DEVICE_API_VERSION 7
+#define ARFUSE_DEVICE_API_VERSION 8
 
 constexpr int kMaxWorld = 16;   // largest tensor-parallel group a communicator serves
 constexpr int kMaxTopK = 64;    // largest K (experts per token) accepted by the op
