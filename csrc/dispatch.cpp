@@ -87,13 +87,17 @@ const Instance* find_instance(DType dtype, int hidden, int world_size, Algo algo
 }
 
 // Default crossover for combinations the tuning table has not measured: one-shot while the bytes
-// each rank receives in one call (N * T * H * elem) stay within 2 MiB, at least 1 token. One-shot
+// each rank receives in one call (N * T * H * elem) stay within 512 KiB, at least 1 token. One-shot
 // moves N times the row bytes but needs a single wait; two-shot moves about 2x the row bytes with
-// two dependent waits. Documented in docs/performance.md; the benchmark's --tune replaces it.
+// two dependent waits. The budget is fitted to the 12 crossovers measured on the H200 at ac03913
+// (variants/tuning.yaml): at the measured token counts it picks the same algorithm for 9 of them;
+// it picks two-shot one step early for hidden 7168 N = 2 at T = 32 (+1 %) and for 2880 (K = 4)
+// N = 4 at T = 32 (+13 %) and N = 2 at T = 64 (+31 %). (The earlier 2 MiB took one-shot up to
+// T = 18 at 7168 N = 8, 41 % slower than two-shot at T = 16 in fp16.) docs/performance.md.
 int default_oneshot_max_tokens(DType dtype, int hidden, int world_size) {
   const int64_t elem = dtype == DType::kFP32 ? 4 : 2;
   const int64_t per_token = static_cast<int64_t>(std::max(world_size, 1)) * hidden * elem;
-  const int64_t budget = int64_t{2} << 20;
+  const int64_t budget = int64_t{512} << 10;
   return static_cast<int>(std::max<int64_t>(1, budget / std::max<int64_t>(per_token, 1)));
 }
 
