@@ -557,8 +557,9 @@ constexpr auto kernel_of() {
 
 // ---------------------------------------------------------------------------------------------
 // Host launcher: block and cluster shape from the config (generic: from the hidden size), grid
-// capped so that every rank sharing this GPU is co-resident (Lamport waits need all peers'
-// blocks running), launched with cudaLaunchKernelEx so the cluster shape is an attribute.
+// capped at the co-resident count (a persistent grid; with ranks sharing this GPU, each rank's
+// share of it, since their separate grids must all run at once), launched with
+// cudaLaunchKernelEx so the cluster shape is an attribute.
 // ---------------------------------------------------------------------------------------------
 namespace detail {
 cudaError_t co_resident_blocks(const void* kernel, int block_threads, int cluster, int* per_device);
