@@ -101,8 +101,10 @@ def build_call(rank: Rank, call: int, T: int, algo: str, grid: int, N: int, slot
 
 
 def simulate(calls, N: int, slots: int, grid: int, seed: int, max_tokens: int,
-             resident: int | None = None, mapping: str = "items"):
+             resident: int | list[int] | None = None, mapping: str = "items"):
+    # blocks of each rank that run at once (one count for every rank, or one per rank)
     resident = grid if resident is None else resident
+    per_rank = resident if isinstance(resident, list) else [resident] * N
     rng = random.Random(seed)
     size = max(N * max_tokens, -(-max_tokens // N) * N + max_tokens)
     ranks = [Rank(r, N, slots, size) for r in range(N)]
@@ -113,7 +115,7 @@ def simulate(calls, N: int, slots: int, grid: int, seed: int, max_tokens: int,
         for rank in ranks:
             if rank.call >= len(calls):
                 continue
-            for bi, blk in enumerate(rank.blocks[:resident]):  # dispatched in index order
+            for bi, blk in enumerate(rank.blocks[:per_rank[rank.r]]):  # in index order
                 step = blk[0]
                 if step[0] == "read" and rank.buf[step[1]][step[2]] is SENT:
                     continue  # waiting for a peer
@@ -173,6 +175,10 @@ def test_no_wait_needs_a_block_that_is_not_resident(N, seed):
     grid = rng.choice([2, 3, 4])
     simulate(calls, N, slots=3, grid=grid, seed=seed, max_tokens=max_tokens,
              resident=rng.randint(1, grid - 1))
+    # one busy GPU: a single rank short of resident blocks, the others complete
+    busy = [grid] * N
+    busy[rng.randrange(N)] = rng.randint(1, grid - 1)
+    simulate(calls, N, slots=3, grid=grid, seed=seed, max_tokens=max_tokens, resident=busy)
 
 
 def test_the_model_catches_the_legacy_two_shot_mapping():
