@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3000, help="timed calls per layout")
     ap.add_argument("--label", default=os.environ.get("ARFUSE_LABEL", "build"))
     args = ap.parse_args()
-    H, K, T, P = 7168, 8, 16, 64
+    H, K, T = 7168, 8, 16
+    P = T * K
     dev = torch.device("cuda", 0)
     g = torch.Generator(device=dev).manual_seed(0)
 

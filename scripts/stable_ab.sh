@@ -8,6 +8,7 @@
 # Prepare here: go run ./gen --matrix ci --out build/ci/out in both trees; OLD is a copy of the
 # older tree (git archive) with its build/ci/out, under .snap/ (ignored), carried with the call:
 #   scripts/stable_ab.sh $OUT .snap/old        carry [".snap/old", "build/ci/out"]
+# Knobs: SKIP_CHECK=1 (no suite, no sanitizer), SKIP_BENCH=1 (no graph-replay benchmark).
 # Results under OUTDIR: gpu.txt, build.log, pytest.log, validation.json, sanitizer-*.log,
 # host.jsonl, ab.tgz (the benchmark CSVs of both trees and their logs).
 set -uo pipefail
@@ -58,6 +59,7 @@ for layout in ("plain", "dense", "permuted"):
     print(f"host {layout:9s} old {m['old']:6.2f} us  new {m['new']:6.2f} us  new/old {m['new'] / m['old']:.3f}")
 PY
 
+[ -z "${SKIP_BENCH:-}" ] || { stamp "stable_ab done (no benchmark)"; exit 0; }
 ab=build/ab; rm -rf "$ab"; mkdir -p "$ab"
 bench() {  # tree label, then bench arguments
   local who=$1 name=$2; shift 2
