@@ -2,12 +2,14 @@
 
     python3 scripts/host_overhead.py [--calls N] [--label NAME]
 
-Measures the host (CPU) time of one call of arfuse.moe_finalize_allreduce_rmsnorm — argument
-checks in Python and C++, output allocation, launch — for a one-rank CUDA group
-(arfuse.testing.LocalGroup(1)), in the plain, dense and permuted layouts (bf16, hidden 7168,
-K = 8, shared output, T = 16). Each call is timed alone with perf_counter_ns; the GPU is
-synchronised every 32 calls outside the timed region, so that a full launch queue never blocks a
-timed call. Prints one JSON line per layout: median and 10th/90th percentile in microseconds.
+Measures the host (CPU) time of one eager call of arfuse.moe_finalize_allreduce_rmsnorm —
+argument checks in Python and C++, output allocation, launch — as one rank of a real group makes
+it: a two-rank group emulated on one GPU (arfuse.testing.LocalGroup(2)), each rank's call made
+eagerly on its own stream right after the other's (not through LocalGroup.run, which queues
+launches), in the plain, dense and permuted layouts (bf16, hidden 7168, K = 8, shared output,
+T = 16). Each call is timed alone with perf_counter_ns; the GPU is synchronised every 32 calls
+outside the timed region, so that a full launch queue never blocks a timed call. Prints one JSON
+line per layout: median and 10th/90th percentile in microseconds over both ranks' calls.
 
 It uses only API that every build since API version 8 has, so the same script runs against the
 package and library of an older tree (PYTHONPATH=<old tree>, ARFUSE_LIBRARY=<old build>).
@@ -51,25 +53,30 @@ def main() -> None:
         "dense": (dense, {"expert_weights": weights}),
         "permuted": (rows, {"permuted_idx": idx, "expert_weights": weights}),
     }
-    with LocalGroup(1, max_tokens=64, hidden=H, dtype=torch.bfloat16) as group:
-        comm = group.comms[0]
+    torch.cuda.synchronize()
+    with LocalGroup(2, max_tokens=64, hidden=H, dtype=torch.bfloat16) as group:
         for name, (x, kw) in forms.items():
-            call = lambda: arfuse.moe_finalize_allreduce_rmsnorm(  # noqa: E731
-                comm, x, residual, gamma, 1e-6, shared_out=shared, routed_scaling=2.5, **kw)
+            def step(times):
+                for comm, stream in zip(group.comms, group.streams):
+                    with torch.cuda.stream(stream):
+                        t0 = time.perf_counter_ns()
+                        arfuse.moe_finalize_allreduce_rmsnorm(
+                            comm, x, residual, gamma, 1e-6, shared_out=shared,
+                            routed_scaling=2.5, **kw)
+                        times.append(time.perf_counter_ns() - t0)
+
             for _ in range(200):  # warm-up: kernel load, allocator
-                call()
+                step([])
             torch.cuda.synchronize()
-            times = []
+            times: list[int] = []
             for i in range(args.calls):
                 if i % 32 == 0:
                     torch.cuda.synchronize()
-                t0 = time.perf_counter_ns()
-                call()
-                times.append(time.perf_counter_ns() - t0)
+                step(times)
             torch.cuda.synchronize()
-            assert group.status() == [0], "the communicator reported a timeout"
+            assert group.status() == [0, 0], f"a communicator reported a timeout: {group.status()}"
             q = statistics.quantiles(times, n=10)
-            print(json.dumps({"label": args.label, "layout": name, "calls": args.calls,
+            print(json.dumps({"label": args.label, "layout": name, "calls": len(times),
                               "median_us": statistics.median(times) / 1e3,
                               "p10_us": q[0] / 1e3, "p90_us": q[-1] / 1e3,
                               "torch": torch.__version__}), flush=True)
