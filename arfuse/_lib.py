@@ -41,6 +41,8 @@ def manifest_path() -> str:
 def load() -> bool:
     """Loads the library once; returns whether it is loaded. Never raises."""
     global _loaded, _error
+    if _loaded is not None:  # every op call asks: no lock once loaded
+        return True
     with _lock:
         if _loaded is not None:
             return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _lib
+from .comm import Communicator
 
 _ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2}
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -24,8 +25,6 @@ def _algorithm(algorithm) -> int:
 
 
 def _handle(comm) -> int:
-    from .comm import Communicator
-
     if isinstance(comm, Communicator):
         return comm.handle
     if isinstance(comm, int):

@@ -57,33 +57,30 @@ const Instance* find_instance(DType dtype, int hidden, int world_size, Algo algo
     if (e.hidden == hidden && e.world_size == world_size) return &e;
     if (e.hidden == 0 && e.world_size == 0) generic = &e;
   }
+  const int vec = vector_elems(dtype);
+  const bool served = generic != nullptr && hidden > 0 && hidden % vec == 0 &&
+                      hidden <= generic->max_hidden && world_size >= 1 && world_size <= kMaxWorld;
+  if (served) return generic;
+  if (why == nullptr) return nullptr;
+  // The reason, built only when asked for (the launch path asks with why == nullptr).
   const std::string combo = std::string("(dtype ") + dtype_name(dtype) + ", hidden " +
                             std::to_string(hidden) + ", world size " + std::to_string(world_size) +
                             ", algorithm " + algo_name(algo) + ", output " + out_name(out) + ")";
   if (generic == nullptr) {
-    if (why) *why = "no kernel instance serves " + combo +
-                    ": it has no specialised instance and the build has no generic instance for "
-                    "this dtype, algorithm and output kind (add it to the variant matrix)";
-    return nullptr;
+    *why = "no kernel instance serves " + combo +
+           ": it has no specialised instance and the build has no generic instance for this "
+           "dtype, algorithm and output kind (add it to the variant matrix)";
+  } else if (hidden <= 0 || hidden % vec != 0) {
+    *why = "no kernel instance serves " + combo + ": hidden must be a positive multiple of " +
+           std::to_string(vec) + " (one 16-byte vector of " + dtype_name(dtype) + ")";
+  } else if (hidden > generic->max_hidden) {
+    *why = "no kernel instance serves " + combo + ": the generic instance serves hidden <= " +
+           std::to_string(generic->max_hidden) + " (add a specialised instance to the variant matrix)";
+  } else {
+    *why = "no kernel instance serves " + combo + ": world size must be 1.." +
+           std::to_string(kMaxWorld);
   }
-  const int vec = vector_elems(dtype);
-  if (hidden <= 0 || hidden % vec != 0) {
-    if (why) *why = "no kernel instance serves " + combo + ": hidden must be a positive multiple of " +
-                    std::to_string(vec) + " (one 16-byte vector of " + dtype_name(dtype) + ")";
-    return nullptr;
-  }
-  if (hidden > generic->max_hidden) {
-    if (why) *why = "no kernel instance serves " + combo + ": the generic instance serves hidden <= " +
-                    std::to_string(generic->max_hidden) +
-                    " (add a specialised instance to the variant matrix)";
-    return nullptr;
-  }
-  if (world_size < 1 || world_size > kMaxWorld) {
-    if (why) *why = "no kernel instance serves " + combo + ": world size must be 1.." +
-                    std::to_string(kMaxWorld);
-    return nullptr;
-  }
-  return generic;
+  return nullptr;
 }
 
 // Default crossover for combinations the tuning table has not measured: one-shot while the bytes

@@ -12,11 +12,15 @@
 namespace arfuse::host {
 
 // Makes `index` the current device for the scope (torch's device guard, stable ABI); a CPU
-// communicator's -1 changes nothing.
+// communicator's -1 changes nothing, and neither does the device that is current already (the
+// usual case: the guard costs a heap allocation, the check one thread-local read).
 class DeviceScope {
  public:
   explicit DeviceScope(int index) {
-    if (index >= 0) guard_.emplace(index);
+    if (index < 0) return;
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current == index) return;
+    guard_.emplace(index);
   }
 
  private:

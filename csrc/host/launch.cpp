@@ -25,15 +25,13 @@ thread_local std::vector<Pending> t_pending;
 
 }  // namespace
 
-LaunchParams finalize_params(const Rows& k, const Tensor& expert_out, const OptTensor& permuted_idx,
-                             const OptTensor& expert_weights, const OptTensor& shared_out,
-                             double routed_scaling) {
+LaunchParams finalize_params(const Rows& k, double routed_scaling) {
   LaunchParams p;
   std::memset(&p, 0, sizeof(p));
-  p.expert_out = expert_out.data_ptr();
-  p.permuted_idx = permuted_idx ? static_cast<const int32_t*>(permuted_idx->data_ptr()) : nullptr;
-  p.expert_weights = expert_weights ? expert_weights->data_ptr() : nullptr;
-  p.shared_out = shared_out ? shared_out->data_ptr() : nullptr;
+  p.expert_out = k.expert_out;
+  p.permuted_idx = k.permuted_idx;
+  p.expert_weights = k.expert_weights;
+  p.shared_out = k.shared_out;
   p.num_rows = k.P;
   p.layout = static_cast<int32_t>(k.layout);
   p.weights_f32 = k.weights_f32 ? 1 : 0;
@@ -44,11 +42,8 @@ LaunchParams finalize_params(const Rows& k, const Tensor& expert_out, const OptT
   return p;
 }
 
-void launch_fused(const Comm& c, const Checked& k, const Tensor& expert_out,
-                  const OptTensor& permuted_idx, const OptTensor& expert_weights,
-                  const OptTensor& shared_out, const OptTensor& residual, const Tensor& gamma,
-                  double eps, double weight_bias, double routed_scaling,
-                  const OptTensor& fp8_scale, const Outputs& out) {
+void launch_fused(const Comm& c, const Checked& k, const Inputs& in, double eps,
+                  double weight_bias, double routed_scaling, const Outputs& out) {
   const uint32_t err_word = c.error_word();
   ARFUSE_CHECK(err_word == 0, "comm: this communicator is broken: an earlier call gave up "
                "waiting for rank ", err_word - 1, " after ", c.timeout_ns / 1000000,
@@ -56,11 +51,10 @@ void launch_fused(const Comm& c, const Checked& k, const Tensor& expert_out,
                "create a new one");
   ARFUSE_CHECK(t_defer || t_pending.empty(), t_pending.size(),
                " deferred launches are still queued on this thread: flush_launches first");
-  LaunchParams p =
-      finalize_params(k, expert_out, permuted_idx, expert_weights, shared_out, routed_scaling);
-  p.residual = residual ? residual->data_ptr() : nullptr;
-  p.gamma = gamma.data_ptr();
-  p.fp8_scale = fp8_scale ? static_cast<const float*>(fp8_scale->data_ptr()) : nullptr;
+  LaunchParams p = finalize_params(k, routed_scaling);
+  p.residual = k.residual;
+  p.gamma = k.gamma;
+  p.fp8_scale = k.fp8_scale;
   p.gamma_f32 = k.gamma_f32 ? 1 : 0;
   p.world_size = c.world;
   p.rank = c.rank;
@@ -70,9 +64,7 @@ void launch_fused(const Comm& c, const Checked& k, const Tensor& expert_out,
   p.residual_out = out.residual_out.data_ptr();
   if (out.scales.has_value()) {
     p.scale_out = static_cast<float*>(out.scales->data_ptr());
-    p.scale_ub = out.scale_ub != nullptr && out.scale_ub->has_value()
-                     ? static_cast<const float*>((*out.scale_ub)->data_ptr())
-                     : nullptr;
+    p.scale_ub = k.scale_ub;
     p.scale_col_major = out.col_major ? 1 : 0;
     p.scale_ue8m0 = out.ue8m0 ? 1 : 0;
   }
@@ -97,9 +89,9 @@ void launch_fused(const Comm& c, const Checked& k, const Tensor& expert_out,
   ARFUSE_CHECK(err == cudaSuccess, "preparing ", k.instance->name, " failed: ",
                cudaGetErrorString(err));
   p.prepare_only = 0;
-  std::vector<Tensor> keep = {expert_out, gamma, out.norm_out, out.residual_out};
-  for (const OptTensor* t : {&permuted_idx, &expert_weights, &shared_out, &residual, &fp8_scale,
-                             &out.scales}) {
+  std::vector<Tensor> keep = {in.expert_out, in.gamma, out.norm_out, out.residual_out};
+  for (const OptTensor* t : {&in.permuted_idx, &in.expert_weights, &in.shared_out, &in.residual,
+                             &in.fp8_scale, &out.scales}) {
     if (t->has_value()) keep.push_back(**t);
   }
   if (out.scale_ub != nullptr && out.scale_ub->has_value()) keep.push_back(**out.scale_ub);

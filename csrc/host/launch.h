@@ -25,18 +25,25 @@ struct Outputs {
   bool col_major = false, ue8m0 = false;
 };
 
-// The finalize inputs of LaunchParams, shared by the fused op and the standalone finalize.
-LaunchParams finalize_params(const Rows& k, const Tensor& expert_out, const OptTensor& permuted_idx,
-                             const OptTensor& expert_weights, const OptTensor& shared_out,
-                             double routed_scaling);
+// The finalize inputs of LaunchParams (validation read them), shared by the fused op and the
+// standalone finalize.
+LaunchParams finalize_params(const Rows& k, double routed_scaling);
+
+// The tensors a queued launch must keep alive until it is issued.
+struct Inputs {
+  const Tensor& expert_out;
+  const OptTensor& permuted_idx;
+  const OptTensor& expert_weights;
+  const OptTensor& shared_out;
+  const OptTensor& residual;
+  const Tensor& gamma;
+  const OptTensor& fp8_scale;
+};
 
 // Launches (or queues) the instance validation chose, on torch's current stream of the
 // communicator's device. Refuses a communicator whose earlier call timed out.
-void launch_fused(const Comm& c, const Checked& k, const Tensor& expert_out,
-                  const OptTensor& permuted_idx, const OptTensor& expert_weights,
-                  const OptTensor& shared_out, const OptTensor& residual, const Tensor& gamma,
-                  double eps, double weight_bias, double routed_scaling,
-                  const OptTensor& fp8_scale, const Outputs& out);
+void launch_fused(const Comm& c, const Checked& k, const Inputs& in, double eps,
+                  double weight_bias, double routed_scaling, const Outputs& out);
 
 void defer(bool enable);
 int64_t flush(bool launch);

@@ -2,6 +2,7 @@
 // validates them (host/validate.h), allocates its outputs and launches (host/launch.h).
 #include "arfuse/ops.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <torch/csrc/stable/ops.h>
@@ -12,6 +13,7 @@
 #include "host/device.h"
 #include "host/errors.h"
 #include "host/launch.h"
+#include "host/tensor_arg.h"
 #include "host/validate.h"
 
 namespace arfuse::ops {
@@ -25,11 +27,6 @@ const Comm& cuda_comm(int64_t handle) {
   const Comm& c = host::get(handle);
   ARFUSE_CHECK_VALUE(c.cuda, "comm: a CPU communicator cannot run CUDA tensors");
   return c;
-}
-
-Tensor empty(std::initializer_list<int64_t> sizes, ScalarType dtype, const Tensor& like) {
-  const std::vector<int64_t> s(sizes);
-  return torch::stable::empty(s, dtype, std::nullopt, like.device());
 }
 
 std::vector<int64_t> summary(const host::Rows& k) {
@@ -49,8 +46,7 @@ int64_t comm_create(int64_t rank, int64_t world_size, int64_t hidden, ScalarType
 
 Tensor comm_ipc_handle(int64_t comm) {
   const std::vector<uint8_t> bytes = host::ipc_handle(host::get(comm));
-  Tensor out = torch::stable::empty({static_cast<int64_t>(bytes.size())}, ScalarType::Byte,
-                                    std::nullopt, Device(DeviceType::CPU));
+  Tensor out = host::empty({static_cast<int64_t>(bytes.size())}, ScalarType::Byte, -1);
   std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
   return out;
 }
@@ -97,10 +93,12 @@ std::tuple<Tensor, Tensor> fused(const Tensor& expert_out, const OptTensor& perm
       host::validate_fused(c, expert_out, permuted_idx, expert_weights, shared_out, residual,
                            gamma, eps, weight_bias, fp8_scale, algorithm, /*check_device=*/true);
   const ScalarType out_type = k.out == OutKind::kFP8Static ? ScalarType::Float8_e4m3fn : c.scalar;
-  host::Outputs out{empty({k.T, k.H}, out_type, expert_out), empty({k.T, k.H}, c.scalar, expert_out)};
+  host::Outputs out{host::empty({k.T, k.H}, out_type, k.device),
+                    host::empty({k.T, k.H}, c.scalar, k.device)};
   if (k.T > 0) {
-    host::launch_fused(c, k, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
-                       eps, weight_bias, routed_scaling, fp8_scale, out);
+    const host::Inputs in{expert_out, permuted_idx, expert_weights, shared_out,
+                          residual,   gamma,        fp8_scale};
+    host::launch_fused(c, k, in, eps, weight_bias, routed_scaling, out);
   }
   return {out.norm_out, out.residual_out};
 }
@@ -116,24 +114,27 @@ std::tuple<Tensor, Tensor, Tensor> fused_fp8_dynamic(
                                                shared_out, residual, gamma, eps, weight_bias,
                                                std::nullopt, algorithm, /*check_device=*/true, &dq);
   // Allocated in this order (q, residual_out, scales): the GPU tests poison these blocks first.
-  host::Outputs out{empty({k.T, k.H}, ScalarType::Float8_e4m3fn, expert_out),
-                    empty({k.T, k.H}, c.scalar, expert_out)};
+  host::Outputs out{host::empty({k.T, k.H}, ScalarType::Float8_e4m3fn, k.device),
+                    host::empty({k.T, k.H}, c.scalar, k.device)};
+  const int64_t G = k.H / kQuantGroup;
   if (k.out == OutKind::kFP8Token) {
-    out.scales = empty({k.T}, ScalarType::Float, expert_out);
+    out.scales = host::empty({k.T}, ScalarType::Float, k.device);
   } else if (col_major_scales) {
-    // Column-major [T, G]: scale (t, g) at g * T + t, the layout block-FP8 GEMMs read (strides
-    // (1, T); a [G, T] tensor transposed, as vLLM's per_token_group_quant_fp8 allocates it).
-    out.scales = torch::stable::transpose(
-        empty({k.H / kQuantGroup, k.T}, ScalarType::Float, expert_out), 0, 1);
+    // Column-major [T, G]: scale (t, g) at g * T + t, the layout block-FP8 GEMMs read: a [G, T]
+    // tensor transposed (strides (1, T)), as vLLM's per_token_group_quant_fp8 allocates it.
+    out.scales = host::empty_strided({k.T, G}, {1, std::max<int64_t>(k.T, 1)}, ScalarType::Float,
+                                     k.device);
   } else {
-    out.scales = empty({k.T, k.H / kQuantGroup}, ScalarType::Float, expert_out);
+    out.scales = host::empty({k.T, G}, ScalarType::Float, k.device);
   }
   out.scale_ub = &scale_ub;
   out.col_major = col_major_scales;
   out.ue8m0 = ue8m0;
   if (k.T > 0) {
-    host::launch_fused(c, k, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
-                       eps, weight_bias, routed_scaling, std::nullopt, out);
+    const OptTensor none;
+    const host::Inputs in{expert_out, permuted_idx, expert_weights, shared_out,
+                          residual,   gamma,        none};
+    host::launch_fused(c, k, in, eps, weight_bias, routed_scaling, out);
   }
   return {out.norm_out, out.residual_out, *out.scales};
 }
@@ -149,8 +150,9 @@ void fused_inplace(Tensor& input, Tensor& residual, const OptTensor& shared_out,
       host::validate_fused(c, input, std::nullopt, std::nullopt, shared_out, res, gamma, eps,
                            weight_bias, std::nullopt, algorithm, /*check_device=*/true);
   if (k.T == 0) return;
-  host::launch_fused(c, k, input, std::nullopt, std::nullopt, shared_out, res, gamma, eps,
-                     weight_bias, routed_scaling, std::nullopt, host::Outputs{input, residual});
+  const OptTensor none;
+  const host::Inputs in{input, none, none, shared_out, res, gamma, none};
+  host::launch_fused(c, k, in, eps, weight_bias, routed_scaling, host::Outputs{input, residual});
 }
 
 Tensor moe_finalize(const Tensor& expert_out, const OptTensor& permuted_idx,
@@ -159,14 +161,13 @@ Tensor moe_finalize(const Tensor& expert_out, const OptTensor& permuted_idx,
   const host::Rows k = host::validate_finalize(expert_out, permuted_idx, expert_weights,
                                                shared_out, num_tokens, /*check_device=*/true);
   const ScalarType act = expert_out.scalar_type();
-  Tensor out = empty({k.T, k.H}, act, expert_out);
+  Tensor out = host::empty({k.T, k.H}, act, k.device);
   if (k.T == 0) return out;
-  LaunchParams p =
-      host::finalize_params(k, expert_out, permuted_idx, expert_weights, shared_out, routed_scaling);
+  LaunchParams p = host::finalize_params(k, routed_scaling);
   p.norm_out = out.data_ptr();
-  const int device = expert_out.get_device_index();
-  const host::DeviceScope scope(device);
-  ARFUSE_CUDA_CHECK(launch_finalize(p, host::to_dtype(act, "expert_out"), host::current_stream(device)),
+  const host::DeviceScope scope(k.device);
+  ARFUSE_CUDA_CHECK(launch_finalize(p, host::to_dtype(act, "expert_out"),
+                                    host::current_stream(k.device)),
                     "launch of the finalize kernel");
   return out;
 }

@@ -14,6 +14,7 @@
 #include "arfuse/dispatch.h"
 #include "arfuse/params.h"
 #include "host/comm.h"
+#include "host/tensor_arg.h"
 
 namespace arfuse::host {
 
@@ -28,11 +29,21 @@ struct Rows {
   int64_t T = 0, H = 0, K = 1, P = 0;
   Layout layout = Layout::kPlain;
   bool weights_f32 = false;  // expert_weights float32 (else the activation dtype, or none)
+  int device = -1;           // where the tensors are (CUDA ops), -1 when not checked
+  // The inputs' data (nullptr: not given); what a launch reads.
+  const void* expert_out = nullptr;
+  const int32_t* permuted_idx = nullptr;
+  const void* expert_weights = nullptr;
+  const void* shared_out = nullptr;
 };
 
 // What validating a fused call decided: the rows, the output kind, the algorithm and the
 // kernel instance (nullptr for a CPU communicator, which launches nothing).
 struct Checked : Rows {
+  const void* residual = nullptr;
+  const void* gamma = nullptr;
+  const float* fp8_scale = nullptr;
+  const float* scale_ub = nullptr;
   bool gamma_f32 = false;
   OutKind out = OutKind::kNorm;
   Algo algo = Algo::kOneShot;
