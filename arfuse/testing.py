@@ -55,7 +55,7 @@ class LocalGroup:
                     "comm_create", rank, world_size, hidden, dtype, max_tokens,
                     -1 if oneshot_max_tokens is None else oneshot_max_tokens, world_size,
                     self.device, timeout_s))
-            for h in handles:
+            for h in handles if world_size > 1 else ():  # one rank is its own peer already
                 _op("comm_set_local_peers", h, handles)
         except BaseException:
             for h in handles:

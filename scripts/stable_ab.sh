@@ -45,9 +45,10 @@ as_old() { (cd "$old" && ARFUSE_LIBRARY=$old/build/ci/lib/libarfuse_ops.so \
 as_new() { (cd "$new" && ARFUSE_LIBRARY=$new/build/ci/lib/libarfuse_ops.so \
              ARFUSE_MANIFEST=$new/build/ci/out/manifest.json PYTHONPATH=$new "$@"); }
 
-for round in 1 2 3; do
-  as_old python3 "$new/scripts/host_overhead.py" --label old >>"$out/host.jsonl" 2>>"$out/host.err"
-  as_new python3 "$new/scripts/host_overhead.py" --label new >>"$out/host.jsonl" 2>>"$out/host.err"
+# Pinned to one core each, alternating, so that both see the same machine.
+for round in 1 2 3 4 5; do
+  as_old taskset -c 3 python3 "$new/scripts/host_overhead.py" --label old >>"$out/host.jsonl" 2>>"$out/host.err"
+  as_new taskset -c 3 python3 "$new/scripts/host_overhead.py" --label new >>"$out/host.jsonl" 2>>"$out/host.err"
 done
 stamp "host overhead done"
 python3 - "$out/host.jsonl" <<'PY'
