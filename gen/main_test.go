@@ -150,7 +150,7 @@ func repoRoot(t *testing.T) {
 
 func TestRealMatrices(t *testing.T) {
 	repoRoot(t)
-	counts := map[string]int{"default": 100, "ci": 26, "full": 576}
+	counts := map[string]int{"default": 102, "ci": 26, "full": 576}
 	for _, m := range []string{"default", "ci", "full"} {
 		args := []string{"--list"}
 		if m != "default" {
@@ -190,7 +190,8 @@ func TestOnlyAndList(t *testing.T) {
 	code, stdout, _ = runGen(t, "--list", "--only", "*_generic_*", "--only", "arfuse_fp16_h2880_w2_oneshot_norm")
 	want = "arfuse_bf16_generic_oneshot_fp8_group128\narfuse_bf16_generic_oneshot_fp8_static\narfuse_bf16_generic_oneshot_fp8_token\narfuse_bf16_generic_oneshot_norm\n" +
 		"arfuse_bf16_generic_twoshot_fp8_group128\narfuse_bf16_generic_twoshot_fp8_static\narfuse_bf16_generic_twoshot_fp8_token\narfuse_bf16_generic_twoshot_norm\n" +
-		"arfuse_fp16_generic_oneshot_norm\narfuse_fp16_generic_twoshot_norm\narfuse_fp16_h2880_w2_oneshot_norm\n"
+		"arfuse_fp16_generic_oneshot_norm\narfuse_fp16_generic_twoshot_norm\narfuse_fp16_h2880_w2_oneshot_norm\n" +
+		"arfuse_fp32_generic_oneshot_norm\narfuse_fp32_generic_twoshot_norm\n"
 	if code != 0 || stdout != want {
 		t.Errorf("exit %d\n%s", code, stdout)
 	}
