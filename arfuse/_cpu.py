@@ -74,10 +74,10 @@ def fused_fp8_dynamic_cpu(expert_out, permuted_idx, expert_weights, shared_out, 
 def fused_inplace_cpu(input, residual, shared_out, gamma, eps, weight_bias, routed_scaling, comm,
                       algorithm):
     _check_comm(comm)
-    if input.dim() != 2:
-        raise ValueError(f"arfuse: input: in-place needs the plain layout [T, H], got {list(input.shape)}")
-    T = torch.ops.arfuse.validate(input, None, None, shared_out, residual, gamma, eps, weight_bias,
-                                  None, comm, algorithm)[0]
+    # The CUDA op's own in-place validation (layout, and no written buffer sharing memory with
+    # another argument), before anything is written.
+    T = torch.ops.arfuse.validate_inplace(input, residual, shared_out, gamma, eps, weight_bias,
+                                          comm, algorithm)[0]
     norm, residual_out = _compute(T, input, None, None, shared_out, residual, gamma, eps,
                                   weight_bias, routed_scaling, None)
     input.copy_(norm)

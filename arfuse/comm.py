@@ -8,6 +8,8 @@ freed by close() or on leaving a `with` block.
 
 from __future__ import annotations
 
+import socket
+
 import torch
 
 from . import _lib
@@ -19,6 +21,63 @@ def _op(name: str, *args):
         return getattr(torch.ops.arfuse, name)(*args)
     except RuntimeError as e:
         _lib.reraise(e)
+
+
+def _host_identity() -> tuple[str, str]:
+    """(key, name) of the host this process runs on: processes with the same key share a kernel
+    (its boot id; the host name where /proc has none), the name is for messages."""
+    name = socket.gethostname()
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip(), name
+    except OSError:
+        return name, name
+
+
+def local_topology(device: torch.device) -> dict:
+    """What the topology check needs to know of this rank: its host, its GPU (UUID and PCI bus
+    id) and which of the GPUs visible to this process its GPU can reach as a peer."""
+    key, name = _host_identity()
+    props = torch.cuda.get_device_properties(device)
+    access = {}
+    for i in range(torch.cuda.device_count()):
+        uuid = str(torch.cuda.get_device_properties(i).uuid)
+        access[uuid] = i == device.index or torch.cuda.can_device_access_peer(device.index, i)
+    return {"host": key, "hostname": name, "gpu": str(props.uuid),
+            "bus": f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}",
+            "access": access}
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def topology_problems(infos: list[dict]) -> list[str]:
+    """Why a group whose ranks are described by `infos` (local_topology of each rank, in rank
+    order) cannot be served, or [] when it can. Every rank computes this from the same gathered
+    list, so all of them come to the same answer. The kernels read and write every peer's buffer
+    through CUDA IPC: all ranks must be on one host, and each rank's GPU must reach every other
+    rank's GPU as a peer (or be the same GPU)."""
+    hosts: dict[str, list[int]] = {}
+    for r, info in enumerate(infos):
+        hosts.setdefault(info["host"], []).append(r)
+    if len(hosts) > 1:
+        where = "; ".join(f"ranks {_ranks(rs)} on host {infos[rs[0]]['hostname']}"
+                          for rs in hosts.values())
+        return [f"the ranks are on {len(hosts)} hosts ({where}): every rank of the group must "
+                "be on one host (tensor parallelism across nodes is not supported)"]
+    problems = []
+    for r, mine in enumerate(infos):
+        for p, peer in enumerate(infos):
+            if p == r or peer["gpu"] == mine["gpu"]:
+                continue
+            if peer["gpu"] not in mine["access"]:
+                problems.append(f"rank {p}'s GPU ({peer['bus']}) is not visible to rank {r}'s "
+                                "process (CUDA_VISIBLE_DEVICES must show every rank's GPU)")
+            elif not mine["access"][peer["gpu"]]:
+                problems.append(f"rank {r}'s GPU ({mine['bus']}) cannot access rank {p}'s GPU "
+                                f"({peer['bus']}) as a peer (no P2P between them)")
+    return problems
 
 
 class Communicator:
@@ -47,6 +106,16 @@ class Communicator:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         device = torch.device(device)
+        if world > 1:
+            # Before anything is allocated or opened: can every rank reach every other's buffer?
+            infos: list = [None] * world
+            dist.all_gather_object(infos, local_topology(device), group=group)
+            problems = topology_problems(infos)
+            if problems:
+                shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more"
+                                                   if len(problems) > 4 else "")
+                raise ValueError(f"arfuse: Communicator: group of {world} ranks not supported: "
+                                 f"{shown}. Nothing was allocated or opened.")
         handle = _op(
             "comm_create", rank, world, hidden, dtype, max_tokens,
             -1 if oneshot_max_tokens is None else oneshot_max_tokens, 1, device, timeout_s)

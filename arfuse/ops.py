@@ -113,6 +113,9 @@ def moe_finalize_allreduce_rmsnorm(comm, expert_out, residual, gamma, eps, *, pe
                              "permuted_idx, no expert_weights)")
         if kind is not None:
             raise ValueError("arfuse: inplace: the FP8 output cannot be written into the input")
+        if residual is None:
+            raise ValueError("arfuse: residual: inplace=True writes residual_out into residual, "
+                             "so it needs one (pass residual, or inplace=False)")
         try:
             torch.ops.arfuse.fused_inplace(expert_out, residual, shared_out, gamma, float(eps),
                                            float(weight_bias), float(routed_scaling), handle, algo)

@@ -23,7 +23,10 @@ def finalize(expert_out, *, num_tokens, permuted_idx=None, expert_weights=None, 
         P = expert_out.shape[0]
         bad = ((idx < -1) | (idx >= P)).any(dim=1)  # the kernel makes such tokens NaN
         present = (idx >= 0) & (idx < P)
-        rows = expert_out.to(acc)[idx.clamp(0, max(P - 1, 0))]  # [T, K, H]
+        if P == 0:  # no rows on this rank (every index -1, or out of range): nothing to gather
+            rows = torch.zeros(T, K, expert_out.shape[-1], dtype=acc, device=expert_out.device)
+        else:
+            rows = expert_out.to(acc)[idx.clamp(0, P - 1)]  # [T, K, H]
         # Absent rows contribute exactly nothing (a NaN or Inf in them must not leak in).
         rows = torch.where(present.unsqueeze(-1), rows, torch.zeros((), dtype=acc, device=rows.device))
     elif expert_out.dim() == 3:

@@ -79,10 +79,14 @@ class LocalGroup:
         # device allocation by the caching allocator, a kernel's lazy loading) may come between
         # their launches: the ops only queue them while fn runs, and they are launched back to
         # back afterwards. If fn raises for any rank, nothing is launched.
+        # Every rank's stream forks from the current stream before any fn runs and joins it
+        # again whatever happens: under CUDA-graph capture a side stream that was never forked
+        # (fn raised for an earlier rank) or never joined would invalidate the whole capture.
+        for stream in self.streams:
+            stream.wait_stream(current)
         torch.ops.arfuse.defer_launches(True)
         try:
             for rank, (comm, stream) in enumerate(zip(self.comms, self.streams)):
-                stream.wait_stream(current)
                 with torch.cuda.stream(stream):
                     results.append(fn(rank, comm))
             launch = True

@@ -135,6 +135,7 @@ var ops = []Op{
 		Kernels: cuda("moe_finalize")},
 	{Name: "validate", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, Tensor? fp8_scale, int comm, int algorithm)" + validateReturns, Kernels: anywhere("validate_fused")},
 	{Name: "validate_fp8_dynamic", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, int group_size, Tensor? scale_ub, bool col_major_scales, bool ue8m0, int comm, int algorithm)" + validateReturns, Kernels: anywhere("validate_fp8_dynamic")},
+	{Name: "validate_inplace", Signature: "(Tensor input, Tensor residual, Tensor? shared_out, Tensor gamma, float eps, float weight_bias, int comm, int algorithm)" + validateReturns, Kernels: anywhere("validate_inplace")},
 	{Name: "validate_finalize", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, int num_tokens)" + validateReturns, Kernels: anywhere("validate_moe_finalize")},
 	{Name: "defer_launches", Signature: "(bool enable) -> ()", Kernels: anywhere("defer_launches")},
 	{Name: "flush_launches", Signature: "(bool launch) -> int", Kernels: anywhere("flush_launches")},

@@ -15,8 +15,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
+# ARFUSE_TEST_INSTALLED=1: test the installed arfuse (a wheel), not this checkout's package
+# (scripts/wheel_check.sh); run from outside the checkout so that it is not on sys.path either.
+INSTALLED = os.environ.get("ARFUSE_TEST_INSTALLED") == "1"
+if not INSTALLED and ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+if INSTALLED:
+    import arfuse as _installed
+
+    if os.path.dirname(os.path.dirname(os.path.abspath(_installed.__file__))) == ROOT:
+        raise RuntimeError("ARFUSE_TEST_INSTALLED=1 but arfuse is imported from the checkout "
+                           f"{ROOT}: run pytest from another directory")
 
 
 def _has_gpu() -> bool:

@@ -259,7 +259,7 @@ def _api(comm, **over):
     (dict(inplace=True), ValueError, "inplace: needs the plain layout"),
     (dict(inplace=True, expert_out=rand(4, H), expert_weights=None), ValueError,
      "inplace: the FP8 output cannot be written into the input"),
-    (dict(residual=rand(4, H + 8)), ValueError, "residual: hidden size 264 does not match"),
+    (dict(residual=rand(4, H + 8)), ValueError, "residual: want [T=4, H=256] (T from expert_out), got [4, 264]"),
     (dict(expert_out=rand(4, 2, H, dtype=torch.float16)), TypeError,
      "expert_out: dtype Half does not match the communicator's BFloat16"),
     (dict(weight_bias=0.5), ValueError, "weight_bias: 0.5 must be 0 (x * gamma) or 1"),

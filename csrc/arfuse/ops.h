@@ -74,6 +74,9 @@ std::vector<int64_t> validate_fp8_dynamic(
     const OptTensor& shared_out, const OptTensor& residual, const Tensor& gamma, double eps,
     double weight_bias, int64_t group_size, const OptTensor& scale_ub, bool col_major_scales,
     bool ue8m0, int64_t comm, int64_t algorithm);
+std::vector<int64_t> validate_inplace(const Tensor& input, const Tensor& residual,
+                                      const OptTensor& shared_out, const Tensor& gamma, double eps,
+                                      double weight_bias, int64_t comm, int64_t algorithm);
 std::vector<int64_t> validate_moe_finalize(const Tensor& expert_out,
                                            const OptTensor& permuted_idx,
                                            const OptTensor& expert_weights,

@@ -177,6 +177,10 @@ void destroy(int64_t handle) {
     c = std::move(it->second);
     g_comms.erase(it);
   }
+  if (c->local_group) {
+    int none = -1;
+    c->local_group->closed_rank.compare_exchange_strong(none, c->rank);
+  }
   if (!c->cuda) return;
   {
     const DeviceScope scope(c->device_index);
@@ -228,8 +232,10 @@ void set_local_peers(Comm& c, const std::vector<int64_t>& comms) {
   ARFUSE_CHECK_VALUE(static_cast<int>(comms.size()) == c.world, "comms: want ", c.world,
                      " communicators (one per rank, in rank order), got ", comms.size());
   void* peers[kMaxWorld] = {};
+  std::shared_ptr<LocalGroupState> state;
   for (int n = 0; n < c.world; ++n) {
     const Comm& o = get(comms[n]);
+    if (o.local_group) state = o.local_group;
     ARFUSE_CHECK_VALUE(o.rank == n && o.world == c.world && o.hidden == c.hidden &&
                            o.dtype == c.dtype && o.max_tokens == c.max_tokens &&
                            o.oneshot_cap == c.oneshot_cap && o.cuda == c.cuda &&
@@ -239,6 +245,7 @@ void set_local_peers(Comm& c, const std::vector<int64_t>& comms) {
     peers[n] = o.data;
   }
   for (int n = 0; n < c.world; ++n) c.peers[n] = peers[n];
+  c.local_group = state ? state : std::make_shared<LocalGroupState>();
   c.peers_ready = true;
 }
 

@@ -6,7 +6,9 @@
 // emulated group on the same GPU). Python holds it as an opaque int64 handle.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include <torch/csrc/stable/device.h>
@@ -15,6 +17,12 @@
 #include "arfuse/params.h"
 
 namespace arfuse::host {
+
+// What the ranks of an emulated group (one process, one GPU) share: each holds raw pointers to
+// the others' buffers, so once one rank is closed no rank may launch again.
+struct LocalGroupState {
+  std::atomic<int> closed_rank{-1};
+};
 
 struct Comm {
   int rank = 0, world = 1, hidden = 0;
@@ -33,6 +41,7 @@ struct Comm {
   void* peers[kMaxWorld] = {};
   bool ipc_opened[kMaxWorld] = {};
   bool peers_ready = false;
+  std::shared_ptr<LocalGroupState> local_group;  // set by set_local_peers (emulated groups)
 
   // 0 when healthy; 1 + r after a call gave up waiting for rank r.
   uint32_t error_word() const {

@@ -143,14 +143,10 @@ void fused_inplace(Tensor& input, Tensor& residual, const OptTensor& shared_out,
                    const Tensor& gamma, double eps, double weight_bias, double routed_scaling,
                    int64_t comm, int64_t algorithm) {
   const Comm& c = cuda_comm(comm);
-  ARFUSE_CHECK_VALUE(input.dim() == 2, "input: in-place needs the plain layout [T, H], got ",
-                     host::Sizes{input});
-  const OptTensor res(residual);
-  const host::Checked k =
-      host::validate_fused(c, input, std::nullopt, std::nullopt, shared_out, res, gamma, eps,
-                           weight_bias, std::nullopt, algorithm, /*check_device=*/true);
+  const host::Checked k = host::validate_inplace(c, input, residual, shared_out, gamma, eps,
+                                                 weight_bias, algorithm, /*check_device=*/true);
   if (k.T == 0) return;
-  const OptTensor none;
+  const OptTensor none, res(residual);
   const host::Inputs in{input, none, none, shared_out, res, gamma, none};
   host::launch_fused(c, k, in, eps, weight_bias, routed_scaling, host::Outputs{input, residual});
 }
@@ -193,6 +189,13 @@ std::vector<int64_t> validate_fp8_dynamic(
   return summary(host::validate_fused(host::get(comm), expert_out, permuted_idx, expert_weights,
                                       shared_out, residual, gamma, eps, weight_bias, std::nullopt,
                                       algorithm, /*check_device=*/false, &dq));
+}
+
+std::vector<int64_t> validate_inplace(const Tensor& input, const Tensor& residual,
+                                      const OptTensor& shared_out, const Tensor& gamma, double eps,
+                                      double weight_bias, int64_t comm, int64_t algorithm) {
+  return summary(host::validate_inplace(host::get(comm), input, residual, shared_out, gamma, eps,
+                                        weight_bias, algorithm, /*check_device=*/false));
 }
 
 std::vector<int64_t> validate_moe_finalize(const Tensor& expert_out,

@@ -50,10 +50,29 @@ int32_t code_of_dtype(ScalarType t) {
   return 0;
 }
 
+int64_t Arg::element_size() const {
+  switch (dtype) {
+    case ScalarType::Float:
+    case ScalarType::Int:
+      return 4;
+    case ScalarType::BFloat16:
+    case ScalarType::Half:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
+bool overlap(const Arg& a, const Arg& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  return a.begin() < b.end() && b.begin() < a.end();
+}
+
 Arg read(const Tensor& t, const char* name) {
   Arg a;
   a.name = name;
   AtenTensorHandle h = t.get();
+  ARFUSE_CHECK_VALUE(h != nullptr && t.defined(), name, ": a tensor is required, got None");
   int32_t dtype = 0, type = 0, index = -1;
   ARFUSE_SHIM(aoti_torch_get_dim(h, &a.dim), name);
   int64_t* sizes = nullptr;

@@ -35,6 +35,10 @@ struct Arg {
   void* data = nullptr;
 
   int64_t size(int64_t i) const { return sizes[i]; }
+  int64_t element_size() const;
+  // The bytes [begin, end) the (contiguous) tensor covers.
+  uintptr_t begin() const { return reinterpret_cast<uintptr_t>(data); }
+  uintptr_t end() const { return begin() + static_cast<uintptr_t>(numel() * element_size()); }
   int64_t numel() const {
     int64_t n = 1;
     for (int64_t i = 0; i < dim; ++i) n *= sizes[i];
@@ -42,7 +46,10 @@ struct Arg {
   }
 };
 
+// Raises ValueError naming the argument when t is undefined (None passed for a required tensor).
 Arg read(const Tensor& t, const char* name);
+// Whether two arguments share memory (contiguous tensors: their byte ranges intersect).
+bool overlap(const Arg& a, const Arg& b);
 // The dtype of a shim code, or Undefined for one arfuse never accepts.
 ScalarType dtype_of_code(int32_t code);
 int32_t code_of_dtype(ScalarType t);

@@ -38,17 +38,9 @@ void check_act(const Arg& a, ScalarType act, const char* owner) {
                     owner, " ", TypeName{act});
 }
 
-// T and H of a fused call: from the residual, or without one (no residual add: vLLM's first
-// layer) from the expert input: permuted_idx [T, K] with rows [P, H], dense [T, K, H] or plain
-// [T, H]. Returns the argument they were read from (errors about T and H name it).
-const char* tokens_and_hidden(Rows& k, const Arg& x, const std::optional<Arg>& idx,
-                              const std::optional<Arg>& residual) {
-  if (residual) {
-    ARFUSE_CHECK_VALUE(residual->dim == 2, "residual: want [T, H], got ", SizesOf{*residual});
-    k.T = residual->size(0);
-    k.H = residual->size(1);
-    return "residual";
-  }
+// T and H of a fused call, from the expert input: permuted_idx [T, K] with rows [P, H], dense
+// [T, K, H] or plain [T, H]. Returns the argument T was read from (errors about T name it).
+const char* tokens_and_hidden(Rows& k, const Arg& x, const std::optional<Arg>& idx) {
   if (idx) {
     ARFUSE_CHECK_VALUE(idx->dim == 2, "permuted_idx: want [T, K], got ", SizesOf{*idx});
     ARFUSE_CHECK_VALUE(x.dim >= 1, "expert_out: with permuted_idx want permuted rows [P, H], got ",
@@ -203,19 +195,28 @@ Checked validate_fused(const Comm& c, const Tensor& expert_out, const OptTensor&
                      " is not one of 0 (auto), 1 (oneshot), 2 (twoshot)");
   const Placement where{check_device, c.device_index, "the communicator"};
   k.device = check_device ? c.device_index : -1;
+  if (c.local_group) {
+    const int closed = c.local_group->closed_rank.load(std::memory_order_acquire);
+    ARFUSE_CHECK_VALUE(closed < 0, "comm: rank ", closed, " of this emulated group is closed (its ",
+                       "buffer is freed): no rank of the group may launch any more; close the ",
+                       "whole group");
+  }
   const Arg x = read(expert_out, "expert_out");
   const std::optional<Arg> idx = read_opt(permuted_idx, "permuted_idx");
-  const std::optional<Arg> res = read_opt(residual, "residual");
-  const char* shape_arg = tokens_and_hidden(k, x, idx, res);
-  if (res) {
-    check_act(*res, c.scalar, kOwner);
-    check_tensor(*res, where);
-    k.residual = res->data;
-  }
-  ARFUSE_CHECK_VALUE(k.H == c.hidden, shape_arg, ": hidden size ", k.H,
+  const char* t_arg = tokens_and_hidden(k, x, idx);
+  ARFUSE_CHECK_VALUE(k.H == c.hidden, "expert_out: hidden size ", k.H,
                      " does not match the communicator's ", c.hidden);
-  ARFUSE_CHECK_VALUE(k.T <= c.max_tokens, shape_arg, ": ", k.T,
+  ARFUSE_CHECK_VALUE(k.T <= c.max_tokens, t_arg, ": ", k.T,
                      " tokens exceed the communicator's capacity max_tokens=", c.max_tokens);
+  if (residual) {
+    const Arg res = read(*residual, "residual");
+    ARFUSE_CHECK_VALUE(res.dim == 2 && res.size(0) == k.T && res.size(1) == k.H,
+                       "residual: want [T=", k.T, ", H=", k.H, "] (T from ", t_arg, "), got ",
+                       SizesOf{res});
+    check_act(res, c.scalar, kOwner);
+    check_tensor(res, where);
+    k.residual = res.data;
+  }
 
   check_act(x, c.scalar, kOwner);
   check_tensor(x, where);
@@ -249,6 +250,34 @@ Checked validate_fused(const Comm& c, const Tensor& expert_out, const OptTensor&
 
   // A CPU communicator (world size 1, arfuse/_cpu.py) launches no kernel: nothing more to decide.
   if (c.cuda) choose_instance(k, c, algorithm);
+  return k;
+}
+
+Checked validate_inplace(const Comm& c, const Tensor& input, const Tensor& residual,
+                         const OptTensor& shared_out, const Tensor& gamma, double eps,
+                         double weight_bias, int64_t algorithm, bool check_device) {
+  const Arg x = read(input, "input");
+  const Arg r = read(residual, "residual");
+  ARFUSE_CHECK_VALUE(x.dim == 2, "input: in-place needs the plain layout [T, H], got ",
+                     SizesOf{x});
+  const OptTensor res(residual);
+  Checked k = validate_fused(c, input, std::nullopt, std::nullopt, shared_out, res, gamma, eps,
+                             weight_bias, std::nullopt, algorithm, check_device);
+  // The kernel writes norm_out into input and residual_out into residual while it reads them
+  // and shared_out and gamma: a written buffer that shares memory with any other argument
+  // would lose data (or read half-written rows).
+  const std::optional<Arg> s = read_opt(shared_out, "shared_out");
+  const Arg g = read(gamma, "gamma");
+  const Arg* written[] = {&x, &r};
+  for (const Arg* w : written) {
+    for (const Arg* o : {&x, &r, s ? &*s : nullptr, &g}) {
+      if (o == nullptr || o == w || (w == &r && o == &x)) continue;  // each pair once
+      ARFUSE_CHECK_VALUE(!overlap(*w, *o), w->name, " and ", o->name, " overlap in memory: ",
+                         "inplace=True writes norm_out into input and residual_out into residual, ",
+                         "so neither may share memory with another argument (pass separate ",
+                         "tensors, or inplace=False)");
+    }
+  }
   return k;
 }
 

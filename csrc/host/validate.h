@@ -69,6 +69,13 @@ Checked validate_fused(const Comm& c, const Tensor& expert_out, const OptTensor&
                        double weight_bias, const OptTensor& fp8_scale, int64_t algorithm,
                        bool check_device, const DynamicQuant* dq = nullptr);
 
+// An in-place call (fused_inplace): input [T, H] plain is expert_out and receives norm_out,
+// residual receives residual_out; refuses any overlap of those two with each other or with
+// shared_out and gamma.
+Checked validate_inplace(const Comm& c, const Tensor& input, const Tensor& residual,
+                         const OptTensor& shared_out, const Tensor& gamma, double eps,
+                         double weight_bias, int64_t algorithm, bool check_device);
+
 // The standalone finalize (moe_finalize): num_tokens tokens; every tensor on expert_out's device.
 Rows validate_finalize(const Tensor& expert_out, const OptTensor& permuted_idx,
                        const OptTensor& expert_weights, const OptTensor& shared_out,

@@ -20,6 +20,7 @@ STABLE_TORCH_LIBRARY(arfuse, m) {
   m.def("moe_finalize(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, float routed_scaling, int num_tokens) -> Tensor");
   m.def("validate(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, Tensor? fp8_scale, int comm, int algorithm) -> int[]");
   m.def("validate_fp8_dynamic(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, int group_size, Tensor? scale_ub, bool col_major_scales, bool ue8m0, int comm, int algorithm) -> int[]");
+  m.def("validate_inplace(Tensor input, Tensor residual, Tensor? shared_out, Tensor gamma, float eps, float weight_bias, int comm, int algorithm) -> int[]");
   m.def("validate_finalize(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, int num_tokens) -> int[]");
   m.def("defer_launches(bool enable) -> ()");
   m.def("flush_launches(bool launch) -> int");
@@ -38,6 +39,7 @@ STABLE_TORCH_LIBRARY_IMPL(arfuse, CompositeExplicitAutograd, m) {
   m.impl("comm_info", TORCH_BOX(&arfuse::ops::comm_info));
   m.impl("validate", TORCH_BOX(&arfuse::ops::validate_fused));
   m.impl("validate_fp8_dynamic", TORCH_BOX(&arfuse::ops::validate_fp8_dynamic));
+  m.impl("validate_inplace", TORCH_BOX(&arfuse::ops::validate_inplace));
   m.impl("validate_finalize", TORCH_BOX(&arfuse::ops::validate_moe_finalize));
   m.impl("defer_launches", TORCH_BOX(&arfuse::ops::defer_launches));
   m.impl("flush_launches", TORCH_BOX(&arfuse::ops::flush_launches));
