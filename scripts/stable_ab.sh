@@ -9,7 +9,8 @@
 # older tree (git archive) with its build/ci/out, under .snap/ (ignored), carried with the call:
 #   scripts/stable_ab.sh $OUT .snap/old        carry [".snap/old", "build/ci/out"]
 # Knobs: SKIP_CHECK=1 (no suite, no sanitizer), SKIP_BENCH=1 (no graph-replay benchmark).
-# Results under OUTDIR: gpu.txt, build.log, pytest.log, validation.json, sanitizer-*.log,
+# Results under OUTDIR: gpu.txt, build.log, pytest.log, validation.json, sanitizer-*.log (the
+# misuse tests under memcheck too),
 # host.jsonl, ab.tgz (the benchmark CSVs of both trees and their logs).
 set -uo pipefail
 out=${1:?usage: scripts/stable_ab.sh OUTDIR OLDTREE}
@@ -32,6 +33,10 @@ if [ -z "${SKIP_CHECK:-}" ]; then
       >"$out/sanitizer-$tool.log" 2>&1
     echo "sanitizer $tool: rc=$? $(tail -n 1 "$out/sanitizer-$tool.log")"
   done
+  # The misuse cases (issue 14) under memcheck: nothing may touch freed memory.
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gpu_misuse.py >"$out/sanitizer-misuse.log" 2>&1
+  echo "sanitizer memcheck on test_gpu_misuse.py: rc=$? $(grep -E 'ERROR SUMMARY|passed|failed' "$out/sanitizer-misuse.log" | tr '\n' ' ')"
   stamp "check done"
 else
   make lib MATRIX=ci GENDIR=build/ci/out BUILD=build/ci/obj LIBDIR=build/ci/lib PYTHON=python3 \

@@ -118,7 +118,7 @@ def test_rank_without_any_expert_rows(comm):
 def test_out_of_range_index_gives_nan_for_that_token_only(comm):
     """An index outside [-1, P): the kernel makes that token's outputs NaN; so does the CPU path,
     with P = 0 rows too."""
-    T, K, P = 4, 2, 5
+    T, P = 4, 5
     r, g = rand(T, H), rand(H)
     for rows, idx in ((rand(P, H), [[0, 1], [P, -1], [-2, 3], [4, -1]]),
                       (torch.empty(0, H, dtype=torch.bfloat16), [[-1, -1], [0, -1], [-1, -1], [-1, 7]])):
