@@ -428,7 +428,7 @@ def test_errors_before_launch(groups):
     with pytest.raises(ValueError, match="residual: is on cpu"):
         call(comm, x, r.cpu(), g, 1e-6)
     with pytest.raises(ValueError, match="expert_out: must be contiguous"):
-        call(comm, x.transpose(0, 1), r, g, 1e-6)
+        call(comm, torch.randn(4, T, hidden, device=dev, dtype=dtype).transpose(0, 1), r, g, 1e-6)
     with pytest.raises(TypeError, match="expert_out: dtype Half does not match"):
         call(comm, x.half(), r, g, 1e-6)
     with pytest.raises(ValueError, match="gamma: want"):
