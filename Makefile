@@ -24,8 +24,12 @@ ARCH_FLAGS ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=
 
 LIB       := $(LIBDIR)/libarfuse_ops.so
 HAND_CU   := csrc/kernels.cu
-HAND_CXX  := csrc/ops.cpp csrc/validate.cpp csrc/dispatch.cpp
-HEADERS   := $(wildcard csrc/arfuse/*.h csrc/arfuse/*.cuh)
+HAND_CXX  := $(sort $(wildcard csrc/host/*.cpp)) csrc/dispatch.cpp
+HEADERS   := $(wildcard csrc/arfuse/*.h csrc/arfuse/*.cuh csrc/host/*.h)
+# The op library is built on the PyTorch stable ABI against torch 2.11's headers: it imports only
+# torch's C shims (aoti_torch_* / torch_*), so the same file loads under torch 2.11 and later
+# releases (tests/test_stable_abi.py reads its undefined symbols). TORCH_TARGET_VERSION 2.11.
+TORCH_TARGET := 0x020b000000000000
 
 .PHONY: all env vllm-env toolchain generate lib wheel test test-go test-python test-gpu check-generated clean help
 .DEFAULT_GOAL := all
@@ -84,9 +88,11 @@ TORCH_ABI  := $(shell $(PYTHON) -c 'import torch; print(int(torch._C._GLIBCXX_US
 CUDART_DIR := $(shell $(PYTHON) -c 'import glob, os, torch; c = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu*", "lib", "libcudart.so*")); print(os.path.dirname(os.path.abspath(c[0])) if c else "")')
 NVCC_FLAGS := -std=c++17 -O3 $(ARCH_FLAGS) -Xcompiler -fPIC -Icsrc -I$(GENDIR) -DNDEBUG -lineinfo
 CXX_FLAGS  := -std=c++17 -O2 -fPIC -Icsrc -I$(GENDIR) -I$(CUDA_HOME)/include -I$(CUDA_HOME)/targets/x86_64-linux/include \
-              -isystem $(TORCH_DIR)/include -isystem $(TORCH_DIR)/include/torch/csrc/api/include \
-              -D_GLIBCXX_USE_CXX11_ABI=$(TORCH_ABI) -DNDEBUG -Wall -Wno-unused-function
-LD_FLAGS   := -shared -L$(TORCH_DIR)/lib -lc10 -lc10_cuda -ltorch_cpu \
+              -isystem $(TORCH_DIR)/include -DTORCH_TARGET_VERSION=$(TORCH_TARGET) -DUSE_CUDA \
+              -D_GLIBCXX_USE_CXX11_ABI=$(TORCH_ABI) -fvisibility=hidden -DNDEBUG -Wall -Wno-unused-function
+# libtorch_cpu / libtorch_cuda export the C shims; the loader must find them (no RPATH: torch has
+# loaded them when torch.ops.load_library runs). cudart: the one torch loaded (same soname).
+LD_FLAGS   := -shared -Wl,--no-as-needed -L$(TORCH_DIR)/lib -ltorch -ltorch_cpu -ltorch_cuda -Wl,--as-needed \
               $(if $(CUDART_DIR),-L$(CUDART_DIR),-L$(CUDA_HOME)/lib -L$(CUDA_HOME)/lib64) -l:libcudart.so.13
 
 CU_OBJS  := $(patsubst $(GENDIR)/%.cu,$(BUILD)/gen/%.o,$(ARFUSE_CU_SOURCES)) $(BUILD)/csrc/kernels.o
@@ -115,7 +121,7 @@ $(BUILD)/gen/%.o: $(GENDIR)/%.cpp $(HEADERS)
 	@echo "g++ $<"
 	@g++ $(CXX_FLAGS) -c $< -o $@
 
-$(BUILD)/csrc/%.o: csrc/%.cpp $(HEADERS)
+$(BUILD)/csrc/%.o: csrc/%.cpp $(HEADERS) $(GENDIR)/sources.mk
 	@mkdir -p $(dir $@)
 	@echo "g++ $<"
 	@g++ $(CXX_FLAGS) -c $< -o $@

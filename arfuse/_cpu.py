@@ -1,7 +1,9 @@
 """CPU implementation of the ops for a communicator of world size 1 (the all-reduce is the
 identity). It lets graphs that call arfuse run on the CPU (graph-rewrite tests, the vLLM pass
 tests) with the op's exact definition; it is not a fast path. Validation is the C++ op's own
-(torch.ops.arfuse.validate), run first: CPU and CUDA reject the same inputs with the same message."""
+(torch.ops.arfuse.validate), run first: CPU and CUDA reject the same inputs with the same message,
+and the token count is the one that validation inferred (the C++ code is the one place that reads
+the input layout)."""
 
 from __future__ import annotations
 
@@ -20,21 +22,20 @@ def _check_comm(comm: int) -> None:
                          f"{info[0]} of {info[1]} on {'cuda:%d' % info[7] if info[7] >= 0 else 'cpu'}")
 
 
-def _norm_and_residual(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
+def _norm_and_residual(T, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
                        eps, weight_bias, routed_scaling):
-    """The op at world size 1: the partial rounded once to the activation dtype, then residual +
-    RMSNorm. Returns (norm as the kernel's float32 y, residual_out)."""
+    """The op at world size 1 for T tokens: the partial rounded once to the activation dtype,
+    then residual + RMSNorm. Returns (norm as the kernel's float32 y, residual_out)."""
     dtype = expert_out.dtype
-    T = permuted_idx.shape[0] if permuted_idx is not None else expert_out.shape[0]
     partial = reference.finalize(expert_out, num_tokens=T, permuted_idx=permuted_idx,
                                  expert_weights=expert_weights, shared_out=shared_out,
                                  routed_scaling=routed_scaling).to(dtype)
     return reference.allreduce_add_rmsnorm([partial], residual, gamma, eps, weight_bias, dtype)
 
 
-def _compute(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
+def _compute(T, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
              weight_bias, routed_scaling, fp8_scale):
-    norm, residual_out = _norm_and_residual(expert_out, permuted_idx, expert_weights, shared_out,
+    norm, residual_out = _norm_and_residual(T, expert_out, permuted_idx, expert_weights, shared_out,
                                             residual, gamma, eps, weight_bias, routed_scaling)
     if fp8_scale is not None:
         return reference.quantize_fp8_static(norm, fp8_scale), residual_out
@@ -44,9 +45,9 @@ def _compute(expert_out, permuted_idx, expert_weights, shared_out, residual, gam
 def fused_cpu(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
               weight_bias, routed_scaling, fp8_scale, comm, algorithm):
     _check_comm(comm)
-    torch.ops.arfuse.validate(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
-                              eps, weight_bias, fp8_scale, comm, algorithm)
-    return _compute(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
+    T = torch.ops.arfuse.validate(expert_out, permuted_idx, expert_weights, shared_out, residual,
+                                  gamma, eps, weight_bias, fp8_scale, comm, algorithm)[0]
+    return _compute(T, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
                     weight_bias, routed_scaling, fp8_scale)
 
 
@@ -54,10 +55,10 @@ def fused_fp8_dynamic_cpu(expert_out, permuted_idx, expert_weights, shared_out, 
                           eps, weight_bias, routed_scaling, group_size, scale_ub, col_major_scales,
                           ue8m0, comm, algorithm):
     _check_comm(comm)
-    torch.ops.arfuse.validate_fp8_dynamic(expert_out, permuted_idx, expert_weights, shared_out,
-                                          residual, gamma, eps, weight_bias, group_size, scale_ub,
-                                          col_major_scales, ue8m0, comm, algorithm)
-    norm, residual_out = _norm_and_residual(expert_out, permuted_idx, expert_weights, shared_out,
+    T = torch.ops.arfuse.validate_fp8_dynamic(expert_out, permuted_idx, expert_weights, shared_out,
+                                              residual, gamma, eps, weight_bias, group_size,
+                                              scale_ub, col_major_scales, ue8m0, comm, algorithm)[0]
+    norm, residual_out = _norm_and_residual(T, expert_out, permuted_idx, expert_weights, shared_out,
                                             residual, gamma, eps, weight_bias, routed_scaling)
     # norm is the float32 y of the kernel. The scale rules are evaluated in float64 and rounded
     # once to float32 (amax / 448 so rounded is the kernel's float32 division); the codes are
@@ -75,9 +76,9 @@ def fused_inplace_cpu(input, residual, shared_out, gamma, eps, weight_bias, rout
     _check_comm(comm)
     if input.dim() != 2:
         raise ValueError(f"arfuse: input: in-place needs the plain layout [T, H], got {list(input.shape)}")
-    torch.ops.arfuse.validate(input, None, None, shared_out, residual, gamma, eps, weight_bias, None,
-                              comm, algorithm)
-    norm, residual_out = _compute(input, None, None, shared_out, residual, gamma, eps,
+    T = torch.ops.arfuse.validate(input, None, None, shared_out, residual, gamma, eps, weight_bias,
+                                  None, comm, algorithm)[0]
+    norm, residual_out = _compute(T, input, None, None, shared_out, residual, gamma, eps,
                                   weight_bias, routed_scaling, None)
     input.copy_(norm)
     residual.copy_(residual_out)

@@ -1,19 +1,27 @@
-"""Locating and loading the compiled torch extension (libarfuse_ops.so).
+"""Locating and loading the compiled torch extension (libarfuse_ops.so), and the errors it raises.
 
-The library registers the `torch.ops.arfuse.*` ops (schemas, CUDA and Meta implementations).
-It is found at $ARFUSE_LIBRARY if set (the test suite points it at the CI-matrix build), else in
-the package's `_lib/` folder (where `make` and the wheel put it).
+The library registers the `torch.ops.arfuse.*` ops (schemas, CUDA and composite kernels) on the
+PyTorch stable ABI, so one build loads under torch 2.11 and later releases. It is found at
+$ARFUSE_LIBRARY if set (the test suite points it at the CI-matrix build), else in the package's
+`_lib/` folder (where `make` and the wheel put it).
+
+Errors: the stable ABI turns every error of the library into a RuntimeError; the library puts
+the kind first in the message ("ValueError: arfuse: residual: want [T, H], got [3]";
+csrc/host/errors.h). The public API catches them and re-raises (`reraise`) those
+as ValueError / TypeError with the rest of the message. A direct torch.ops.arfuse.* call raises
+the RuntimeError.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 # The device API version (ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h) this Python code
 # speaks; a library whose manifest says otherwise is stale (rebuild with make).
-API_VERSION = 8
+API_VERSION = 9
 _lock = threading.Lock()
 _loaded: str | None = None
 _error: str | None = None
@@ -84,3 +92,25 @@ def require() -> None:
     """Raises a clear error if the library cannot be used."""
     if not load():
         raise RuntimeError(f"arfuse: the compiled library is not available: {_error}")
+
+
+_KIND = re.compile(r"(ValueError|TypeError): (arfuse: [^\n]*)")
+_KINDS = {"ValueError": ValueError, "TypeError": TypeError}
+
+
+def typed(error: RuntimeError) -> Exception:
+    """The ValueError / TypeError a library error stands for (csrc/host/errors.h), or the error
+    itself when its message names no such kind."""
+    m = _KIND.search(str(error))
+    if m is None:
+        return error
+    return _KINDS[m.group(1)](m.group(2))
+
+
+def reraise(error: RuntimeError):
+    """Raises what `error` stands for: `except RuntimeError as e: _lib.reraise(e)` around an op
+    call (free when nothing is raised)."""
+    t = typed(error)
+    if t is error:
+        raise error
+    raise t from None

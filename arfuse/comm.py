@@ -13,6 +13,14 @@ import torch
 from . import _lib
 
 
+def _op(name: str, *args):
+    """torch.ops.arfuse.<name>(*args), its argument errors as ValueError / TypeError."""
+    try:
+        return getattr(torch.ops.arfuse, name)(*args)
+    except RuntimeError as e:
+        _lib.reraise(e)
+
+
 class Communicator:
     """Buffers and peers of one rank of a tensor-parallel group.
 
@@ -39,8 +47,8 @@ class Communicator:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         device = torch.device(device)
-        handle = torch.ops.arfuse.comm_create(
-            rank, world, hidden, dtype, max_tokens,
+        handle = _op(
+            "comm_create", rank, world, hidden, dtype, max_tokens,
             -1 if oneshot_max_tokens is None else oneshot_max_tokens, 1, device, timeout_s)
         try:
             if world > 1:
@@ -61,7 +69,7 @@ class Communicator:
                                 f"{theirs[key]}, rank {rank} with {value}: every rank of the group "
                                 "must pass the same max_tokens, hidden, dtype and oneshot_max_tokens")
                 handles = [h for _, h in gathered]
-                torch.ops.arfuse.comm_open_peers(handle, torch.tensor(handles, dtype=torch.uint8))
+                _op("comm_open_peers", handle, torch.tensor(handles, dtype=torch.uint8))
                 # Every rank has opened every peer before anyone launches into them.
                 dist.barrier(group=group)
         except BaseException:
@@ -106,7 +114,7 @@ class Communicator:
 
     def status(self) -> int:
         """0 when healthy; 1 + r after a call gave up waiting for rank r."""
-        return torch.ops.arfuse.comm_status(self.handle)
+        return _op("comm_status", self.handle)
 
     def close(self, *, wait_for_peers: bool = True) -> None:
         """Frees the buffers. Closing twice is harmless.
@@ -146,6 +154,6 @@ def cpu_communicator(*, max_tokens: int, hidden: int, dtype: torch.dtype) -> Com
     """A world-size-1 communicator on the CPU: the all-reduce is the identity and the op runs the
     PyTorch implementation in arfuse._cpu (used to test graph rewrites without a GPU)."""
     _lib.require()
-    handle = torch.ops.arfuse.comm_create(0, 1, hidden, dtype, max_tokens, -1, 1,
+    handle = _op("comm_create", 0, 1, hidden, dtype, max_tokens, -1, 1,
                                           torch.device("cpu"), 10.0)
     return Communicator._from_handle(handle)

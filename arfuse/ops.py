@@ -1,8 +1,10 @@
 """The Python face of the torch ops registered by libarfuse_ops.so.
 
-All validation happens once, in the C++ op (csrc/ops.cpp), before anything is launched: a wrong
-dtype, shape, device, a non-contiguous input, too many tokens for the communicator or a hidden
-size no kernel serves raise one error naming the argument and the rule.
+All validation happens once, in the C++ op (csrc/host/validate.cpp), before anything is launched:
+a wrong dtype, shape, device, a non-contiguous input, too many tokens for the communicator or a
+hidden size no kernel serves raise one error naming the argument and the rule: ValueError (or
+TypeError for a wrong dtype or type) from these functions; the library itself raises a
+RuntimeError naming the kind first, which `_lib.reraise` turns into that kind.
 """
 
 from __future__ import annotations
@@ -112,17 +114,23 @@ def moe_finalize_allreduce_rmsnorm(comm, expert_out, residual, gamma, eps, *, pe
                              "permuted_idx, no expert_weights)")
         if kind is not None:
             raise ValueError("arfuse: inplace: the FP8 output cannot be written into the input")
-        torch.ops.arfuse.fused_inplace(expert_out, residual, shared_out, gamma, float(eps),
-                                       float(weight_bias), float(routed_scaling), handle, algo)
+        try:
+            torch.ops.arfuse.fused_inplace(expert_out, residual, shared_out, gamma, float(eps),
+                                           float(weight_bias), float(routed_scaling), handle, algo)
+        except RuntimeError as e:
+            _lib.reraise(e)
         return expert_out, residual
-    if kind in ("fp8_token", "fp8_group128"):
-        return torch.ops.arfuse.fused_fp8_dynamic(
-            expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, float(eps),
-            float(weight_bias), float(routed_scaling), 0 if kind == "fp8_token" else 128,
-            scale_ub, scale_layout == "col", bool(scale_ue8m0), handle, algo)
-    return torch.ops.arfuse.fused(expert_out, permuted_idx, expert_weights, shared_out, residual,
-                                  gamma, float(eps), float(weight_bias), float(routed_scaling),
-                                  fp8_scale, handle, algo)
+    try:
+        if kind in ("fp8_token", "fp8_group128"):
+            return torch.ops.arfuse.fused_fp8_dynamic(
+                expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, float(eps),
+                float(weight_bias), float(routed_scaling), 0 if kind == "fp8_token" else 128,
+                scale_ub, scale_layout == "col", bool(scale_ue8m0), handle, algo)
+        return torch.ops.arfuse.fused(expert_out, permuted_idx, expert_weights, shared_out,
+                                      residual, gamma, float(eps), float(weight_bias),
+                                      float(routed_scaling), fp8_scale, handle, algo)
+    except RuntimeError as e:
+        _lib.reraise(e)
 
 
 def moe_finalize(expert_out, *, num_tokens, permuted_idx=None, expert_weights=None,
@@ -130,8 +138,11 @@ def moe_finalize(expert_out, *, num_tokens, permuted_idx=None, expert_weights=No
     """The standalone finalize kernel: routed_scaling * sum_k w * row + shared, [T, H], float32
     accumulation and one rounding. The first kernel of the unfused pipeline."""
     _lib.require()
-    return torch.ops.arfuse.moe_finalize(expert_out, permuted_idx, expert_weights, shared_out,
-                                         float(routed_scaling), int(num_tokens))
+    try:
+        return torch.ops.arfuse.moe_finalize(expert_out, permuted_idx, expert_weights, shared_out,
+                                             float(routed_scaling), int(num_tokens))
+    except RuntimeError as e:
+        _lib.reraise(e)
 
 
 def _dtype(dtype) -> torch.dtype:
@@ -152,7 +163,11 @@ def instance_for(dtype, hidden: int, world_size: int, algorithm: str = "oneshot"
         raise ValueError("arfuse: algorithm: instance_for wants 'oneshot' or 'twoshot'")
     if output not in _OUTPUTS:
         raise ValueError(f"arfuse: output: {output!r} is not one of {list(_OUTPUTS)}")
-    name = torch.ops.arfuse.instance_for(_dtype(dtype), hidden, world_size, algo, _OUTPUTS[output])
+    try:
+        name = torch.ops.arfuse.instance_for(_dtype(dtype), hidden, world_size, algo,
+                                             _OUTPUTS[output])
+    except RuntimeError as e:
+        _lib.reraise(e)
     return name or None
 
 
@@ -164,7 +179,10 @@ def supported(dtype, hidden: int, world_size: int) -> bool:
 def oneshot_threshold(dtype, hidden: int, world_size: int) -> int:
     """auto dispatch uses one-shot for T <= this (measured tuning row, else the default rule)."""
     _lib.require()
-    return torch.ops.arfuse.oneshot_threshold(_dtype(dtype), hidden, world_size)
+    try:
+        return torch.ops.arfuse.oneshot_threshold(_dtype(dtype), hidden, world_size)
+    except RuntimeError as e:
+        _lib.reraise(e)
 
 
 def supported_variants() -> list[str]:

@@ -16,7 +16,7 @@ import os
 import torch
 
 from . import _lib
-from .comm import Communicator
+from .comm import Communicator, _op
 
 # Each rank's stream needs a hardware work queue of its own: two ranks' streams sharing one queue
 # serialise, and ranks that wait for each other then wait until the timeout. CUDA has 8 queues
@@ -51,12 +51,12 @@ class LocalGroup:
         handles: list[int] = []
         try:
             for rank in range(world_size):
-                handles.append(torch.ops.arfuse.comm_create(
-                    rank, world_size, hidden, dtype, max_tokens,
+                handles.append(_op(
+                    "comm_create", rank, world_size, hidden, dtype, max_tokens,
                     -1 if oneshot_max_tokens is None else oneshot_max_tokens, world_size,
                     self.device, timeout_s))
             for h in handles:
-                torch.ops.arfuse.comm_set_local_peers(h, handles)
+                _op("comm_set_local_peers", h, handles)
         except BaseException:
             for h in handles:
                 torch.ops.arfuse.comm_destroy(h)

@@ -6,7 +6,7 @@ package main
 
 // apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
 // Every generated C++ file static_asserts on it so that stale output stops compiling.
-const apiVersion = 8
+const apiVersion = 9
 
 // vectorBytes is the width of one vectorised global-memory access.
 const vectorBytes = 16
@@ -78,13 +78,13 @@ var outKinds = []*OutKind{
 // (arfuse::kMaxWorld is 16).
 var worldSizes = []int{2, 4, 8, 16}
 
-// Op is one torch operator: its schema and the arfuse::ops functions that implement it. An op
-// with a CatchAll function is registered with m.def(schema, fn); the others are defined by schema
-// only and get one kernel per dispatch key.
+// Op is one torch operator: its schema and the arfuse::ops functions that implement it, one per
+// dispatch key. Registered on the PyTorch stable ABI: the schema with m.def() in
+// STABLE_TORCH_LIBRARY, each kernel with m.impl(name, TORCH_BOX(&fn)) in the
+// STABLE_TORCH_LIBRARY_IMPL block of its key.
 type Op struct {
 	Name      string
-	Signature string // the schema without the name: "(int comm) -> int"
-	CatchAll  string
+	Signature string     // the schema without the name: "(int comm) -> int"
 	Kernels   []OpKernel // in the order of dispatchKeys
 }
 
@@ -94,38 +94,53 @@ type OpKernel struct {
 	Fn  string
 }
 
-// dispatchKeys is the order of the TORCH_LIBRARY_IMPL blocks.
-// Fake (Meta) implementations are registered from Python (arfuse/_fake.py) with
-// torch.library.register_fake, so that torch.compile keeps the token count symbolic.
-var dispatchKeys = []string{"CUDA"}
+// dispatchKeys is the order of the STABLE_TORCH_LIBRARY_IMPL blocks. The stable ABI has no
+// catch-all registration (the CatchAll key fails to parse at load): ops that must run whatever
+// their inputs (tensor-less ones, the validation the CPU implementation calls) are registered on
+// CompositeExplicitAutograd. Fake (Meta) and CPU implementations of the fused ops are registered
+// from Python (arfuse/_fake.py, arfuse/_cpu.py) with torch.library, so that torch.compile keeps
+// the token count symbolic.
+var dispatchKeys = []string{compositeKey, "CUDA"}
+
+const compositeKey = "CompositeExplicitAutograd"
 
 // opsNamespace is where the implementation functions live (csrc/arfuse/ops.h).
 const opsNamespace = "arfuse::ops"
 
+// anywhere is an op's one kernel on compositeKey.
+func anywhere(fn string) []OpKernel { return []OpKernel{{Key: compositeKey, Fn: fn}} }
+
+// cuda is an op's one kernel on the CUDA key.
+func cuda(fn string) []OpKernel { return []OpKernel{{Key: "CUDA", Fn: fn}} }
+
+// validateReturns is what the validation ops return: what they inferred from the arguments
+// (csrc/arfuse/ops.h; arfuse/_cpu.py reads it).
+const validateReturns = " -> int[]"
+
 var ops = []Op{
-	{Name: "comm_create", Signature: "(int rank, int world_size, int hidden, ScalarType dtype, int max_tokens, int oneshot_max_tokens, int ranks_per_device, Device device, float timeout_s) -> int", CatchAll: "comm_create"},
-	{Name: "comm_ipc_handle", Signature: "(int comm) -> Tensor", CatchAll: "comm_ipc_handle"},
-	{Name: "comm_open_peers", Signature: "(int comm, Tensor handles) -> ()", CatchAll: "comm_open_peers"},
-	{Name: "comm_set_local_peers", Signature: "(int comm, int[] comms) -> ()", CatchAll: "comm_set_local_peers"},
-	{Name: "comm_destroy", Signature: "(int comm) -> ()", CatchAll: "comm_destroy"},
-	{Name: "comm_status", Signature: "(int comm) -> int", CatchAll: "comm_status"},
-	{Name: "comm_info", Signature: "(int comm) -> int[]", CatchAll: "comm_info"},
+	{Name: "comm_create", Signature: "(int rank, int world_size, int hidden, ScalarType dtype, int max_tokens, int oneshot_max_tokens, int ranks_per_device, Device device, float timeout_s) -> int", Kernels: anywhere("comm_create")},
+	{Name: "comm_ipc_handle", Signature: "(int comm) -> Tensor", Kernels: anywhere("comm_ipc_handle")},
+	{Name: "comm_open_peers", Signature: "(int comm, Tensor handles) -> ()", Kernels: anywhere("comm_open_peers")},
+	{Name: "comm_set_local_peers", Signature: "(int comm, int[] comms) -> ()", Kernels: anywhere("comm_set_local_peers")},
+	{Name: "comm_destroy", Signature: "(int comm) -> ()", Kernels: anywhere("comm_destroy")},
+	{Name: "comm_status", Signature: "(int comm) -> int", Kernels: anywhere("comm_status")},
+	{Name: "comm_info", Signature: "(int comm) -> int[]", Kernels: anywhere("comm_info")},
 	{Name: "fused", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, Tensor? fp8_scale, int comm, int algorithm) -> (Tensor, Tensor)",
-		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused"}}},
+		Kernels: cuda("fused")},
 	{Name: "fused_inplace", Signature: "(Tensor(a!) input, Tensor(b!) residual, Tensor? shared_out, Tensor gamma, float eps, float weight_bias, float routed_scaling, int comm, int algorithm) -> ()",
-		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused_inplace"}}},
+		Kernels: cuda("fused_inplace")},
 	{Name: "fused_fp8_dynamic", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, int group_size, Tensor? scale_ub, bool col_major_scales, bool ue8m0, int comm, int algorithm) -> (Tensor, Tensor, Tensor)",
-		Kernels: []OpKernel{{Key: "CUDA", Fn: "fused_fp8_dynamic"}}},
+		Kernels: cuda("fused_fp8_dynamic")},
 	{Name: "moe_finalize", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, float routed_scaling, int num_tokens) -> Tensor",
-		Kernels: []OpKernel{{Key: "CUDA", Fn: "moe_finalize"}}},
-	{Name: "validate", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, Tensor? fp8_scale, int comm, int algorithm) -> ()", CatchAll: "validate_fused"},
-	{Name: "validate_fp8_dynamic", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, int group_size, Tensor? scale_ub, bool col_major_scales, bool ue8m0, int comm, int algorithm) -> ()", CatchAll: "validate_fp8_dynamic"},
-	{Name: "validate_finalize", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, int num_tokens) -> ()", CatchAll: "validate_moe_finalize"},
-	{Name: "defer_launches", Signature: "(bool enable) -> ()", CatchAll: "defer_launches"},
-	{Name: "flush_launches", Signature: "(bool launch) -> int", CatchAll: "flush_launches"},
-	{Name: "supported_variants", Signature: "() -> str[]", CatchAll: "supported_variants"},
-	{Name: "instance_for", Signature: "(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind) -> str", CatchAll: "instance_for"},
-	{Name: "oneshot_threshold", Signature: "(ScalarType dtype, int hidden, int world_size) -> int", CatchAll: "oneshot_threshold"},
+		Kernels: cuda("moe_finalize")},
+	{Name: "validate", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, Tensor? fp8_scale, int comm, int algorithm)" + validateReturns, Kernels: anywhere("validate_fused")},
+	{Name: "validate_fp8_dynamic", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, int group_size, Tensor? scale_ub, bool col_major_scales, bool ue8m0, int comm, int algorithm)" + validateReturns, Kernels: anywhere("validate_fp8_dynamic")},
+	{Name: "validate_finalize", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, int num_tokens)" + validateReturns, Kernels: anywhere("validate_moe_finalize")},
+	{Name: "defer_launches", Signature: "(bool enable) -> ()", Kernels: anywhere("defer_launches")},
+	{Name: "flush_launches", Signature: "(bool launch) -> int", Kernels: anywhere("flush_launches")},
+	{Name: "supported_variants", Signature: "() -> str[]", Kernels: anywhere("supported_variants")},
+	{Name: "instance_for", Signature: "(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind) -> str", Kernels: anywhere("instance_for")},
+	{Name: "oneshot_threshold", Signature: "(ScalarType dtype, int hidden, int world_size) -> int", Kernels: anywhere("oneshot_threshold")},
 }
 
 func dtypeByName(name string) *DType {

@@ -12,6 +12,7 @@ import torch
 import arfuse
 from arfuse import reference
 from arfuse.comm import cpu_communicator
+from op_errors import op_raises
 
 H = 64
 
@@ -30,7 +31,7 @@ def rand(*shape, dtype=torch.bfloat16):
 def test_library_matches_manifest(lib, manifest):
     names = sorted(arfuse.supported_variants())
     assert names == sorted(i["name"] for i in manifest["instances"])
-    assert manifest["api_version"] == arfuse._lib.API_VERSION == 8
+    assert manifest["api_version"] == arfuse._lib.API_VERSION == 9
 
 
 def test_schemas_are_registered(lib):
@@ -217,7 +218,7 @@ def test_bad_communicator_arguments(lib):
                     oneshot_max_tokens=-1, ranks_per_device=1, device=torch.device("cpu"),
                     timeout_s=1.0)
         args.update(kw)
-        return torch.ops.arfuse.comm_create(*args.values())
+        return arfuse.comm._op("comm_create", *args.values())
 
     with pytest.raises(ValueError, match="world_size: 17 is not supported"):
         mk(world_size=17)
@@ -231,6 +232,11 @@ def test_bad_communicator_arguments(lib):
         mk(world_size=2)
     with pytest.raises(ValueError, match="oneshot_max_tokens: 9 must not exceed max_tokens"):
         mk(oneshot_max_tokens=9)
+    # The op itself raises RuntimeError, the kind first in the message (stable ABI).
+    with op_raises(ValueError, "world_size: 17 is not supported"):
+        torch.ops.arfuse.comm_create(0, 17, H, torch.bfloat16, 8, -1, 1, torch.device("cpu"), 1.0)
+    with op_raises(TypeError, "dtype: dtype Double is not supported"):
+        torch.ops.arfuse.comm_create(0, 1, H, torch.float64, 8, -1, 1, torch.device("cpu"), 1.0)
 
 
 def test_close_waits_for_peers_at_a_barrier(lib, monkeypatch):
@@ -305,7 +311,7 @@ def test_closed_communicator(lib):
     c.close()  # harmless
     with pytest.raises(ValueError, match="closed"):
         c.handle
-    with pytest.raises(ValueError, match=f"comm: {h} is not an open communicator"):
+    with op_raises(ValueError, f"comm: {h} is not an open communicator"):
         torch.ops.arfuse.fused(rand(2, H), None, None, None, rand(2, H), rand(H), 1e-6, 0.0, 1.0,
                                None, h, 0)
 

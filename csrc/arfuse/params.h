@@ -6,15 +6,16 @@
 
 #include <cstdint>
 
+#include "arfuse/protocol.h"
+
 namespace arfuse {
 
 // Bumped whenever LaunchParams, the kernel template's parameters or the launcher signature change.
 // Every generated file static_asserts on it, so stale generated output stops compiling.
-#define ARFUSE_DEVICE_API_VERSION 8
+#define ARFUSE_DEVICE_API_VERSION 9
 
 constexpr int kMaxWorld = 16;   // largest tensor-parallel group a communicator serves
 constexpr int kMaxTopK = 64;    // largest K (experts per token) accepted by the op
-constexpr int kNumSlots = 3;    // Lamport buffers: call c uses slot c % 3 (see docs/design.md)
 
 // Scalar types as the dispatch table names them (same order as the generator's dtype table).
 enum class DType : int32_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
@@ -38,16 +39,6 @@ enum class Layout : int32_t {
   kPlain = 0,     // [T, H], already reduced over experts (K = 1, no weights)
   kDense = 1,     // [T, K, H], token-major
   kPermuted = 2,  // [P, H] rows addressed by permuted_idx[T, K] (int32, -1 = not on this rank)
-};
-
-// Per-rank control block in device memory (one per communicator).
-struct Ctrl {
-  uint32_t epoch;            // slot of the next call: (completed calls) mod 3, kept in 0..2 so it
-                             // never wraps onto a slot that was not cleared
-  uint32_t arrived;          // blocks of the current call that have finished
-  uint32_t error;            // device copy of the error word: once set, every later call skips
-                             // its waits and writes NaN (a late peer write cannot pass as data)
-  uint32_t pad;
 };
 
 struct LaunchParams {

@@ -1,0 +1,139 @@
+// arfuse host code: building a launch and the deferred-launch queue (launch.h).
+#include "host/launch.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "arfuse/dispatch.h"
+#include "host/device.h"
+#include "host/errors.h"
+
+namespace arfuse::host {
+
+namespace {
+
+struct Pending {
+  const Instance* instance;
+  LaunchParams params;
+  cudaStream_t stream;
+  int device_index;
+  std::vector<Tensor> keep;  // every tensor the launch reads or writes stays alive until then
+};
+thread_local bool t_defer = false;
+thread_local std::vector<Pending> t_pending;
+
+}  // namespace
+
+LaunchParams finalize_params(const Rows& k, const Tensor& expert_out, const OptTensor& permuted_idx,
+                             const OptTensor& expert_weights, const OptTensor& shared_out,
+                             double routed_scaling) {
+  LaunchParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.expert_out = expert_out.data_ptr();
+  p.permuted_idx = permuted_idx ? static_cast<const int32_t*>(permuted_idx->data_ptr()) : nullptr;
+  p.expert_weights = expert_weights ? expert_weights->data_ptr() : nullptr;
+  p.shared_out = shared_out ? shared_out->data_ptr() : nullptr;
+  p.num_rows = k.P;
+  p.layout = static_cast<int32_t>(k.layout);
+  p.weights_f32 = k.weights_f32 ? 1 : 0;
+  p.num_tokens = static_cast<int32_t>(k.T);
+  p.top_k = static_cast<int32_t>(k.K);
+  p.hidden = static_cast<int32_t>(k.H);
+  p.routed_scaling = static_cast<float>(routed_scaling);
+  return p;
+}
+
+void launch_fused(const Comm& c, const Checked& k, const Tensor& expert_out,
+                  const OptTensor& permuted_idx, const OptTensor& expert_weights,
+                  const OptTensor& shared_out, const OptTensor& residual, const Tensor& gamma,
+                  double eps, double weight_bias, double routed_scaling,
+                  const OptTensor& fp8_scale, const Outputs& out) {
+  const uint32_t err_word = c.error_word();
+  ARFUSE_CHECK(err_word == 0, "comm: this communicator is broken: an earlier call gave up "
+               "waiting for rank ", err_word - 1, " after ", c.timeout_ns / 1000000,
+               " ms (ranks called with different token counts, or a rank died); close it and "
+               "create a new one");
+  ARFUSE_CHECK(t_defer || t_pending.empty(), t_pending.size(),
+               " deferred launches are still queued on this thread: flush_launches first");
+  LaunchParams p =
+      finalize_params(k, expert_out, permuted_idx, expert_weights, shared_out, routed_scaling);
+  p.residual = residual ? residual->data_ptr() : nullptr;
+  p.gamma = gamma.data_ptr();
+  p.fp8_scale = fp8_scale ? static_cast<const float*>(fp8_scale->data_ptr()) : nullptr;
+  p.gamma_f32 = k.gamma_f32 ? 1 : 0;
+  p.world_size = c.world;
+  p.rank = c.rank;
+  p.eps = static_cast<float>(eps);
+  p.weight_bias = static_cast<float>(weight_bias);
+  p.norm_out = out.norm_out.data_ptr();
+  p.residual_out = out.residual_out.data_ptr();
+  if (out.scales.has_value()) {
+    p.scale_out = static_cast<float*>(out.scales->data_ptr());
+    p.scale_ub = out.scale_ub != nullptr && out.scale_ub->has_value()
+                     ? static_cast<const float*>((*out.scale_ub)->data_ptr())
+                     : nullptr;
+    p.scale_col_major = out.col_major ? 1 : 0;
+    p.scale_ue8m0 = out.ue8m0 ? 1 : 0;
+  }
+  for (int n = 0; n < kMaxWorld; ++n) p.buffers[n] = c.peers[n];
+  p.ctrl = c.ctrl;
+  p.error_flag = c.error_dev;
+  p.slot_elems = c.slot_elems;
+  p.max_blocks = 0;
+  p.ranks_per_device = c.ranks_per_device;
+  p.timeout_ns = c.timeout_ns;
+  const DeviceScope scope(c.device_index);
+  cudaStream_t stream = current_stream(c.device_index);
+  if (!t_defer) {
+    const cudaError_t err = k.instance->launch(p, stream);
+    ARFUSE_CHECK(err == cudaSuccess, "launch of ", k.instance->name, " failed: ",
+                 cudaGetErrorString(err));
+    return;
+  }
+  // Load the kernel and size the grid now, so that flushing issues nothing but launches.
+  p.prepare_only = 1;
+  const cudaError_t err = k.instance->launch(p, stream);
+  ARFUSE_CHECK(err == cudaSuccess, "preparing ", k.instance->name, " failed: ",
+               cudaGetErrorString(err));
+  p.prepare_only = 0;
+  std::vector<Tensor> keep = {expert_out, gamma, out.norm_out, out.residual_out};
+  for (const OptTensor* t : {&permuted_idx, &expert_weights, &shared_out, &residual, &fp8_scale,
+                             &out.scales}) {
+    if (t->has_value()) keep.push_back(**t);
+  }
+  if (out.scale_ub != nullptr && out.scale_ub->has_value()) keep.push_back(**out.scale_ub);
+  t_pending.push_back(Pending{k.instance, p, stream, c.device_index, std::move(keep)});
+}
+
+void defer(bool enable) {
+  ARFUSE_CHECK_VALUE(!enable || t_pending.empty(), "defer_launches: ", t_pending.size(),
+                     " deferred launches were never flushed");
+  t_defer = enable;
+}
+
+int64_t flush(bool do_launch) {
+  std::vector<Pending> pending;
+  pending.swap(t_pending);
+  if (!do_launch) return static_cast<int64_t>(pending.size());
+  std::string failed;
+  for (const Pending& q : pending) {
+    const DeviceScope scope(q.device_index);
+    const cudaError_t err = q.instance->launch(q.params, q.stream);
+    if (err != cudaSuccess && failed.empty()) {
+      failed = std::string(q.instance->name) + ": " + cudaGetErrorString(err);
+    }
+  }
+  // A failed launch leaves its peers waiting: they give up after the timeout (no hang).
+  ARFUSE_CHECK(failed.empty(), "deferred launch of ", failed, " failed");
+  return static_cast<int64_t>(pending.size());
+}
+
+bool has_pending(const Comm& c) {
+  for (const Pending& q : t_pending) {
+    if (q.params.ctrl == c.ctrl) return true;
+  }
+  return false;
+}
+
+}  // namespace arfuse::host

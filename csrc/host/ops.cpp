@@ -1,0 +1,239 @@
+// arfuse: the torch op entry points (declared in arfuse/ops.h): each reads its arguments,
+// validates them (host/validate.h), allocates its outputs and launches (host/launch.h).
+#include "arfuse/ops.h"
+
+#include <cstring>
+
+#include <torch/csrc/stable/ops.h>
+
+#include "arfuse/dispatch.h"
+#include "arfuse/host_kernels.h"
+#include "host/comm.h"
+#include "host/device.h"
+#include "host/errors.h"
+#include "host/launch.h"
+#include "host/validate.h"
+
+namespace arfuse::ops {
+
+using host::Comm;
+using torch::headeronly::DeviceType;
+
+namespace {
+
+const Comm& cuda_comm(int64_t handle) {
+  const Comm& c = host::get(handle);
+  ARFUSE_CHECK_VALUE(c.cuda, "comm: a CPU communicator cannot run CUDA tensors");
+  return c;
+}
+
+Tensor empty(std::initializer_list<int64_t> sizes, ScalarType dtype, const Tensor& like) {
+  const std::vector<int64_t> s(sizes);
+  return torch::stable::empty(s, dtype, std::nullopt, like.device());
+}
+
+std::vector<int64_t> summary(const host::Rows& k) {
+  return {k.T, k.H, k.K, k.P, static_cast<int64_t>(k.layout), k.weights_f32 ? 1 : 0};
+}
+
+}  // namespace
+
+// ---- communicator ----------------------------------------------------------------------------
+
+int64_t comm_create(int64_t rank, int64_t world_size, int64_t hidden, ScalarType dtype,
+                    int64_t max_tokens, int64_t oneshot_max_tokens, int64_t ranks_per_device,
+                    Device device, double timeout_s) {
+  return host::create(rank, world_size, hidden, dtype, max_tokens, oneshot_max_tokens,
+                      ranks_per_device, device, timeout_s);
+}
+
+Tensor comm_ipc_handle(int64_t comm) {
+  const std::vector<uint8_t> bytes = host::ipc_handle(host::get(comm));
+  Tensor out = torch::stable::empty({static_cast<int64_t>(bytes.size())}, ScalarType::Byte,
+                                    std::nullopt, Device(DeviceType::CPU));
+  std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
+  return out;
+}
+
+void comm_open_peers(int64_t comm, const Tensor& handles) {
+  Comm& c = host::get(comm);
+  ARFUSE_CHECK_VALUE(c.cuda, "comm: a CPU communicator has no peers to open");
+  ARFUSE_CHECK_VALUE(handles.is_cpu() && handles.scalar_type() == ScalarType::Byte &&
+                         handles.dim() == 2 && handles.size(0) == c.world,
+                     "handles: want a CPU uint8 tensor [world_size=", c.world,
+                     ", bytes per handle], got ", host::Sizes{handles}, " ",
+                     host::TypeName{handles.scalar_type()}, " on ",
+                     host::DeviceName{handles.device()});
+  const Tensor h = torch::stable::contiguous(handles);
+  host::open_ipc_peers(c, static_cast<const uint8_t*>(h.data_ptr()), h.size(1));
+}
+
+void comm_set_local_peers(int64_t comm, const std::vector<int64_t>& comms) {
+  host::set_local_peers(host::get(comm), comms);
+}
+
+void comm_destroy(int64_t comm) {
+  const Comm* c = host::find(comm);
+  if (c == nullptr) return;  // closing twice is harmless
+  // A queued launch of this communicator would run on freed memory.
+  ARFUSE_CHECK(!host::has_pending(*c), "comm: ", comm,
+               " has deferred launches still queued (flush_launches first)");
+  host::destroy(comm);
+}
+
+int64_t comm_status(int64_t comm) { return host::get(comm).error_word(); }
+
+std::vector<int64_t> comm_info(int64_t comm) { return host::info(host::get(comm)); }
+
+// ---- the fused ops ---------------------------------------------------------------------------
+
+std::tuple<Tensor, Tensor> fused(const Tensor& expert_out, const OptTensor& permuted_idx,
+                                 const OptTensor& expert_weights, const OptTensor& shared_out,
+                                 const OptTensor& residual, const Tensor& gamma, double eps,
+                                 double weight_bias, double routed_scaling,
+                                 const OptTensor& fp8_scale, int64_t comm, int64_t algorithm) {
+  const Comm& c = cuda_comm(comm);
+  const host::Checked k =
+      host::validate_fused(c, expert_out, permuted_idx, expert_weights, shared_out, residual,
+                           gamma, eps, weight_bias, fp8_scale, algorithm, /*check_device=*/true);
+  const ScalarType out_type = k.out == OutKind::kFP8Static ? ScalarType::Float8_e4m3fn : c.scalar;
+  host::Outputs out{empty({k.T, k.H}, out_type, expert_out), empty({k.T, k.H}, c.scalar, expert_out)};
+  if (k.T > 0) {
+    host::launch_fused(c, k, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
+                       eps, weight_bias, routed_scaling, fp8_scale, out);
+  }
+  return {out.norm_out, out.residual_out};
+}
+
+std::tuple<Tensor, Tensor, Tensor> fused_fp8_dynamic(
+    const Tensor& expert_out, const OptTensor& permuted_idx, const OptTensor& expert_weights,
+    const OptTensor& shared_out, const OptTensor& residual, const Tensor& gamma, double eps,
+    double weight_bias, double routed_scaling, int64_t group_size, const OptTensor& scale_ub,
+    bool col_major_scales, bool ue8m0, int64_t comm, int64_t algorithm) {
+  const Comm& c = cuda_comm(comm);
+  const host::DynamicQuant dq{group_size, &scale_ub, col_major_scales, ue8m0};
+  const host::Checked k = host::validate_fused(c, expert_out, permuted_idx, expert_weights,
+                                               shared_out, residual, gamma, eps, weight_bias,
+                                               std::nullopt, algorithm, /*check_device=*/true, &dq);
+  // Allocated in this order (q, residual_out, scales): the GPU tests poison these blocks first.
+  host::Outputs out{empty({k.T, k.H}, ScalarType::Float8_e4m3fn, expert_out),
+                    empty({k.T, k.H}, c.scalar, expert_out)};
+  if (k.out == OutKind::kFP8Token) {
+    out.scales = empty({k.T}, ScalarType::Float, expert_out);
+  } else if (col_major_scales) {
+    // Column-major [T, G]: scale (t, g) at g * T + t, the layout block-FP8 GEMMs read (strides
+    // (1, T); a [G, T] tensor transposed, as vLLM's per_token_group_quant_fp8 allocates it).
+    out.scales = torch::stable::transpose(
+        empty({k.H / kQuantGroup, k.T}, ScalarType::Float, expert_out), 0, 1);
+  } else {
+    out.scales = empty({k.T, k.H / kQuantGroup}, ScalarType::Float, expert_out);
+  }
+  out.scale_ub = &scale_ub;
+  out.col_major = col_major_scales;
+  out.ue8m0 = ue8m0;
+  if (k.T > 0) {
+    host::launch_fused(c, k, expert_out, permuted_idx, expert_weights, shared_out, residual, gamma,
+                       eps, weight_bias, routed_scaling, std::nullopt, out);
+  }
+  return {out.norm_out, out.residual_out, *out.scales};
+}
+
+void fused_inplace(Tensor& input, Tensor& residual, const OptTensor& shared_out,
+                   const Tensor& gamma, double eps, double weight_bias, double routed_scaling,
+                   int64_t comm, int64_t algorithm) {
+  const Comm& c = cuda_comm(comm);
+  ARFUSE_CHECK_VALUE(input.dim() == 2, "input: in-place needs the plain layout [T, H], got ",
+                     host::Sizes{input});
+  const OptTensor res(residual);
+  const host::Checked k =
+      host::validate_fused(c, input, std::nullopt, std::nullopt, shared_out, res, gamma, eps,
+                           weight_bias, std::nullopt, algorithm, /*check_device=*/true);
+  if (k.T == 0) return;
+  host::launch_fused(c, k, input, std::nullopt, std::nullopt, shared_out, res, gamma, eps,
+                     weight_bias, routed_scaling, std::nullopt, host::Outputs{input, residual});
+}
+
+Tensor moe_finalize(const Tensor& expert_out, const OptTensor& permuted_idx,
+                    const OptTensor& expert_weights, const OptTensor& shared_out,
+                    double routed_scaling, int64_t num_tokens) {
+  const host::Rows k = host::validate_finalize(expert_out, permuted_idx, expert_weights,
+                                               shared_out, num_tokens, /*check_device=*/true);
+  const ScalarType act = expert_out.scalar_type();
+  Tensor out = empty({k.T, k.H}, act, expert_out);
+  if (k.T == 0) return out;
+  LaunchParams p =
+      host::finalize_params(k, expert_out, permuted_idx, expert_weights, shared_out, routed_scaling);
+  p.norm_out = out.data_ptr();
+  const int device = expert_out.get_device_index();
+  const host::DeviceScope scope(device);
+  ARFUSE_CUDA_CHECK(launch_finalize(p, host::to_dtype(act, "expert_out"), host::current_stream(device)),
+                    "launch of the finalize kernel");
+  return out;
+}
+
+// ---- validation alone ------------------------------------------------------------------------
+
+std::vector<int64_t> validate_fused(const Tensor& expert_out, const OptTensor& permuted_idx,
+                                    const OptTensor& expert_weights, const OptTensor& shared_out,
+                                    const OptTensor& residual, const Tensor& gamma, double eps,
+                                    double weight_bias, const OptTensor& fp8_scale, int64_t comm,
+                                    int64_t algorithm) {
+  return summary(host::validate_fused(host::get(comm), expert_out, permuted_idx, expert_weights,
+                                      shared_out, residual, gamma, eps, weight_bias, fp8_scale,
+                                      algorithm, /*check_device=*/false));
+}
+
+std::vector<int64_t> validate_fp8_dynamic(
+    const Tensor& expert_out, const OptTensor& permuted_idx, const OptTensor& expert_weights,
+    const OptTensor& shared_out, const OptTensor& residual, const Tensor& gamma, double eps,
+    double weight_bias, int64_t group_size, const OptTensor& scale_ub, bool col_major_scales,
+    bool ue8m0, int64_t comm, int64_t algorithm) {
+  const host::DynamicQuant dq{group_size, &scale_ub, col_major_scales, ue8m0};
+  return summary(host::validate_fused(host::get(comm), expert_out, permuted_idx, expert_weights,
+                                      shared_out, residual, gamma, eps, weight_bias, std::nullopt,
+                                      algorithm, /*check_device=*/false, &dq));
+}
+
+std::vector<int64_t> validate_moe_finalize(const Tensor& expert_out,
+                                           const OptTensor& permuted_idx,
+                                           const OptTensor& expert_weights,
+                                           const OptTensor& shared_out, int64_t num_tokens) {
+  return summary(host::validate_finalize(expert_out, permuted_idx, expert_weights, shared_out,
+                                         num_tokens, /*check_device=*/false));
+}
+
+// ---- deferred launches -----------------------------------------------------------------------
+
+void defer_launches(bool enable) { host::defer(enable); }
+
+int64_t flush_launches(bool launch) { return host::flush(launch); }
+
+// ---- introspection ---------------------------------------------------------------------------
+
+std::vector<std::string> supported_variants() {
+  int count = 0;
+  const Instance* table = instance_table(&count);
+  std::vector<std::string> names;
+  names.reserve(count);
+  for (int i = 0; i < count; ++i) names.emplace_back(table[i].name);
+  return names;
+}
+
+std::string instance_for(ScalarType dtype, int64_t hidden, int64_t world_size, int64_t algorithm,
+                         int64_t out_kind) {
+  ARFUSE_CHECK_VALUE(algorithm == 1 || algorithm == 2, "algorithm: want 1 or 2");
+  ARFUSE_CHECK_VALUE(out_kind >= 0 && out_kind <= 3, "out_kind: ", out_kind,
+                     " is not one of 0 (norm), 1 (fp8_static), 2 (fp8_token), 3 (fp8_group128)");
+  std::string why;
+  const Instance* inst = find_instance(host::to_dtype(dtype, "dtype"), static_cast<int>(hidden),
+                                       static_cast<int>(world_size), static_cast<Algo>(algorithm),
+                                       static_cast<OutKind>(out_kind), &why);
+  return inst ? std::string(inst->name) : std::string();
+}
+
+int64_t oneshot_threshold(ScalarType dtype, int64_t hidden, int64_t world_size) {
+  return oneshot_max_tokens(host::to_dtype(dtype, "dtype"), static_cast<int>(hidden),
+                            static_cast<int>(world_size));
+}
+
+}  // namespace arfuse::ops
