@@ -18,6 +18,9 @@ def _restore(graph: Any, backup: Any) -> None:
     """Makes `graph` (an fx.Graph, in place) a copy of `backup` again."""
     for node in reversed(list(graph.nodes)):
         graph.erase_node(node)
+    namespace = getattr(graph, "_graph_namespace", None)
+    if namespace is not None:  # free the erased nodes' names, so the copies get them back
+        graph._graph_namespace = type(namespace)()
     output = graph.graph_copy(backup, {}, return_output_node=True)
     value, node = output
     graph.output(value, type_expr=getattr(node, "type", None))
