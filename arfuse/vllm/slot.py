@@ -70,13 +70,13 @@ class ArfuseSlotPass(InductorPass):  # type: ignore[misc]
                        "post_grad_custom_post_pass slot does nothing")
             return None
         try:
+            if not _plugin.model_parallel_ready():
+                return None  # too early (e.g. vLLM hashing its config before the workers start)
             config = self._config()
             if config is None:
                 self._once("config", "arfuse: slot pass: no vLLM config in this process yet; "
                            "the graph stays as it is")
                 return None
-            if not _plugin.model_parallel_ready():
-                return None  # too early (e.g. vLLM hashing its config before the workers start)
             with self._lock:
                 entry = self._built.get(id(config))
                 if entry is None or entry[0] is not config:
@@ -98,9 +98,16 @@ class ArfuseSlotPass(InductorPass):  # type: ignore[misc]
 
     def uuid(self) -> str:
         p = self.inner()
-        inner = p.uuid() if p is not None else "arfuse-off"
-        return InductorPass.hash_dict({"slot": InductorPass.hash_source(type(self)),
-                                       "pass": inner})
+        return self._uuid(p.uuid() if p is not None else "arfuse-off")
+
+    @classmethod
+    def _uuid(cls, inner: str) -> str:
+        return InductorPass.hash_dict({"slot": InductorPass.hash_source(cls), "pass": inner})
+
+    @classmethod
+    def off_uuid(cls) -> str:
+        """The uuid while the slot leaves graphs alone."""
+        return cls._uuid("arfuse-off")
 
     def __deepcopy__(self, memo: Any) -> ArfuseSlotPass:
         return self  # vLLM deep-copies inductor_compile_config; the singleton stays one

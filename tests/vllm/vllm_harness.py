@@ -521,11 +521,14 @@ def compile_with_pass_manager(
     *,
     compile_range: tuple[int, int],
     dynamic: bool = False,
+    append: bool = False,
 ) -> Compiled:
     """torch.compile `module` with Inductor and vLLM's PostGradPassManager (configured from
     `config`, the arfuse pass added by the plugin's own add_pass), as vLLM's backend sets them up:
     the IR functionalization pass pre-grad, the pass manager post-grad, inside vLLM's pass
-    context for `compile_range`. Returns the output of one call and the graph around the pass."""
+    context for `compile_range`. Returns the output of one call and the graph around the pass.
+    append: the pass goes in with vLLM's own PostGradPassManager.add (after vLLM's passes), as
+    VllmBackend.configure_post_pass adds the post_grad_custom_post_pass slot's object."""
     from torch._inductor.compile_fx import compile_fx
     from vllm.compilation.passes.inductor_pass import pass_context
     from vllm.compilation.passes.ir.inplace_functionalization import (
@@ -545,7 +548,10 @@ def compile_with_pass_manager(
     pm = PostGradPassManager()
     with set_current_vllm_config(config):
         pm.configure(config)
-    plugin.add_pass(pm, fusion_pass)
+    if append:
+        pm.add(fusion_pass)
+    else:
+        plugin.add_pass(pm, fusion_pass)
     before, after = GraphRecorder(), GraphRecorder()
     i = pm.passes.index(fusion_pass)
     pm.passes[i : i + 1] = [before, fusion_pass, after]
