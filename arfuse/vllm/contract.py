@@ -53,7 +53,8 @@ class Item:
       code      every fragment of `fragments` occurs in the source of the function `name`
                 (normalised by ast.unparse)
     strict: a changed signature counts as missing (the pass's patterns depend on the argument
-      order); otherwise a changed signature is only reported ("changed").
+      order); otherwise a changed signature is only reported ("changed"). A changed `code` item
+      always counts.
     cuda: the module cannot be imported without vLLM's CUDA kernels (a GPU driver); the installed
       check reads its source instead of importing it.
     """
@@ -230,7 +231,8 @@ class Result:
 
 def summarize(results: list[Result]) -> list[str]:
     """The reasons the integration cannot run as claimed: a missing item of a failing need (one_of
-    groups: only when every member is missing) or a strict item whose signature changed."""
+    groups: only when every member is missing), a strict item whose signature changed, or a code
+    item whose fragments are gone."""
     problems: list[str] = []
     groups: dict[str, list[Result]] = {}
     for r in results:
@@ -239,7 +241,8 @@ def summarize(results: list[Result]) -> list[str]:
         if r.item.one_of:
             groups.setdefault(r.item.one_of, []).append(r)
             continue
-        if r.status == "missing" or (r.status == "changed" and r.item.strict):
+        failing_change = r.item.strict or r.item.kind == "code"
+        if r.status == "missing" or (r.status == "changed" and failing_change):
             problems.append(f"{r.item.key}: {r.status} {r.detail}".rstrip())
     for name, members in groups.items():
         if all(m.status == "missing" for m in members):

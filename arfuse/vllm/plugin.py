@@ -318,9 +318,15 @@ def _vllm_version() -> str:
 def _unknown_release_problems() -> list[str]:
     """For a vLLM release not in contract.SUPPORTED: what the integration needs and the installed
     vLLM lacks (hook and pass items). Empty for a supported release (checked statically)."""
-    if _vllm_version().split("+")[0] in _contract.SUPPORTED:
+    version = _vllm_version()
+    if version.split("+")[0] in _contract.SUPPORTED:
         return []
-    return _contract.summarize(_contract.check_installed(needs=("hook", "pass")))
+    problems = _contract.summarize(_contract.check_installed(needs=("hook", "pass")))
+    if not problems:
+        logger.info("arfuse: vLLM %s is not among the releases checked (%s ... %s); the installed "
+                    "vLLM has everything arfuse.vllm.contract lists", version,
+                    _contract.SUPPORTED[0], _contract.SUPPORTED[-1])
+    return problems
 
 
 def _install_hooks() -> bool:

@@ -65,6 +65,9 @@ def main() -> None:
     root, scenario = Path(sys.argv[1]), sys.argv[2]
     log = Lines()
     logging.getLogger("vllm.arfuse").addHandler(log)
+    # vLLM 0.34 configures its loggers only when its CLI or engine starts (up to 0.33: on import);
+    # what arfuse logs at INFO must be seen here either way.
+    logging.getLogger("vllm.arfuse").setLevel(logging.INFO)
     config = H.vllm_config(root, H.QWEN3_MOE, torch.bfloat16)
     H.ensure_distributed(config)
     if scenario == "cache-key-raises":

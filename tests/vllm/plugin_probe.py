@@ -5,6 +5,8 @@ Usage: python plugin_probe.py MODEL_DIR [SCENARIO]
 
 SCENARIO (default "plain") changes something before the plugins load, to see the plugin cope:
   no-configure      PostGradPassManager without configure (as a release that renamed it)
+  newer             the installed vLLM taken for a release newer than the supported ones
+  newer-no-configure  both
 """
 
 from __future__ import annotations
@@ -62,13 +64,20 @@ def main() -> None:
     scenario = sys.argv[2] if len(sys.argv) > 2 else "plain"
     log = Lines()
     logging.getLogger("vllm.arfuse").addHandler(log)
+    # vLLM 0.34 configures its loggers only when its CLI or engine starts (up to 0.33: on import);
+    # what arfuse logs at INFO must be seen here either way.
+    logging.getLogger("vllm.arfuse").setLevel(logging.INFO)
     hash_name = "compute_hash" if hasattr(VllmConfig, "compute_hash") else "compile_factors"
     original = {"configure": PostGradPassManager.configure, "hash": getattr(VllmConfig, hash_name)}
     config = H.vllm_config(root, H.QWEN3_MOE, torch.bfloat16)
     key_before = cache_key(config)
     variants_before = cache_key_variants(config)
-    if scenario == "no-configure":
+    if scenario in ("no-configure", "newer-no-configure"):
         del PostGradPassManager.configure
+    if scenario.startswith("newer"):
+        from arfuse.vllm import plugin as _plugin
+
+        _plugin._vllm_version = lambda: "0.35.0"
     worker_hooked = None
     try:
         from vllm.v1.worker.gpu_worker import Worker

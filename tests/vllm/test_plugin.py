@@ -113,6 +113,7 @@ def test_enabled_hooks_once_and_stays_out_at_tp1(site, tmp_path):
     assert got["tp1_communicator"] is False
     # The GPU worker class is importable on this machine too; its load_model is hooked.
     assert got["worker_hooked"] is True, got["worker_hooked"]
+    assert any("integration enabled" in line for line in got["log"]), got["log"]
     assert [line for line in got["log"] if "enabled" not in line] == []
 
 
@@ -126,6 +127,24 @@ def test_missing_hook_target_leaves_vllm_running(site, tmp_path):
     assert "PostGradPassManager.configure" in got["log"][0]
     assert not got["hash_hooked"] and got["worker_hooked"] is not True
     assert got["key_after"] == got["key_before"]
+
+
+def test_newer_release_checks_the_contract_first(site, tmp_path):
+    """A vLLM release the integration was not checked against: register() checks the contract
+    against the installed vLLM; with everything there it hooks (and says so in one line)."""
+    got = probe(site, tmp_path, "newer", ARFUSE_VLLM="1")
+    assert got["registered"] is True
+    assert got["hash_hooked"] and got["configure_hooked"]
+    others = [line for line in got["log"] if "enabled" not in line]
+    assert len(others) == 1 and "0.35.0 is not among the releases checked" in others[0]
+
+
+def test_newer_release_lacking_something_stays_off(site, tmp_path):
+    got = probe(site, tmp_path, "newer-no-configure", ARFUSE_VLLM="1")
+    assert got["registered"] is False
+    assert len(got["log"]) == 1, got["log"]
+    assert "0.35.0" in got["log"][0] and "hook.configure: missing" in got["log"][0]
+    assert not got["hash_hooked"] and got["worker_hooked"] is not True
 
 
 def test_pass_goes_before_vllms_own_allreduce_and_norm_fusions():

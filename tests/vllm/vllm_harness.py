@@ -1,4 +1,5 @@
-"""Set-up shared by the tests against the real vLLM package (0.26.0, requirements-vllm.txt).
+"""Set-up shared by the tests against the real vLLM package: lane A vLLM 0.26.0 with torch 2.11
+(requirements-vllm.txt), lane B vLLM 0.34.0 with torch 2.14 (requirements-vllm-0.34.txt).
 
 Everything runs on the CPU in one process with vLLM's distributed state for a world of one rank
 (gloo). Modules call vLLM's real ops the way vLLM's decoder layers do, with one deliberate
@@ -30,9 +31,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-VLLM_VERSION = "0.26.0"
-
-
 _NO_VLLM = "vLLM is not installed (scripts/install-vllm.sh installs the pinned release)"
 
 
@@ -63,9 +61,11 @@ def require_arfuse() -> Any:
     import arfuse
 
     if not arfuse.is_built():
+        from arfuse import _lib
+
         pytest.skip(
-            f"arfuse's compiled library is not built ({arfuse.library_path()} missing or not "
-            "loadable; `make` builds it)",
+            f"arfuse's compiled library is not usable here (torch {torch.__version__}): "
+            f"{getattr(_lib, '_error', None) or arfuse.library_path() + ' not loadable'}",
             allow_module_level=True,
         )
     return arfuse
