@@ -18,6 +18,7 @@ Needs (what a missing item costs):
   pass  the fusion pass or the eager call: the pass stays out of vLLM's pass list (one log line).
   slot  the official post_grad_custom_post_pass slot (docs/vllm.md).
   tests only the test harness (tests/vllm/vllm_harness.py); not the integration.
+  info  reported only (what the eager call accepts from releases that have it).
 """
 
 from __future__ import annotations
@@ -162,6 +163,14 @@ ITEMS: tuple[Item, ...] = (
     Item("eager.all_reduce", "pass", "function", "vllm.distributed",
          "tensor_model_parallel_all_reduce", ("input_",)),
     Item("eager.ir_fused_add_rms_norm", "pass", "attr", "vllm.ir.ops", "fused_add_rms_norm"),
+    # vLLM's unfinalized MoE output, read by field name (0.28+; 0.33 adds route_major, a hint:
+    # the permute map stays valid). Absent from 0.26/0.27 by design, hence only "info".
+    *(Item(f"eager.unfinalized.{f}", "info", "field",
+           "vllm.model_executor.layers.fused_moe.moe_output", f"UnfinalizedMoEOutput.{f}")
+      for f in ("gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx")),
+    *(Item(f"eager.moe_output.{f}", "info", "field",
+           "vllm.model_executor.layers.fused_moe.moe_output", f"MoEOutput.{f}")
+      for f in ("routed", "shared_output", "routed_scaling_factor")),
     # ---- the post_grad_custom_post_pass slot (arfuse.vllm.slot) ----------------------------------
     Item("slot.inductor_passes", "slot", "field", "vllm.config.compilation",
          "CompilationConfig.inductor_passes"),
