@@ -41,8 +41,9 @@ class Lines(logging.Handler):
 
 
 def cache_key(config: VllmConfig) -> list[str]:
-    """vLLM's own compile-cache key factors for `config` (env hash, config hash, ...)."""
-    return aot_compile_hash_factors(config)
+    """vLLM's own compile-cache key factors for `config`: the env hash and the config hash (the
+    Inductor factors that may follow are bytes on some releases and no business of arfuse)."""
+    return [str(f) for f in aot_compile_hash_factors(config)[:2]]
 
 
 def cache_key_variants(config: VllmConfig) -> list[str]:
