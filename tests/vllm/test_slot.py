@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import pickle
 
-import pytest
 import torch
 
 import vllm_harness as H
