@@ -116,6 +116,9 @@ ITEMS: tuple[Item, ...] = (
     Item("order.norm_quant_fusion", "pass", "class", "vllm.compilation.passes.fusion."
          "rms_quant_fusion", "RMSNormQuantFusionPass", cuda=True,
          why="consumes rms_norm + quant: the arfuse pass must run first"),
+    Item("order.norm_reshape_fusion", "info", "class", "vllm.compilation.passes.fusion."
+         "add_rms_fusion", "RMSNormReshapeFusionPass", cuda=True,
+         why="0.27+, transformers backend: moves reshapes ahead of norms; arfuse goes first"),
     Item("order.passes_before_lowering", "pass", "code", _PM, "PostGradPassManager.__call__",
          fragments=("for pass_ in self.passes:", "pass_.is_applicable_for_range(compile_range)",
                     "self.ir_lowering(graph)"),

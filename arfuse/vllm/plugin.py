@@ -197,7 +197,7 @@ def close_communicators() -> None:
 # ---- the hooks -----------------------------------------------------------------------------------
 
 # vLLM passes the arfuse pass goes in front of, by class name: the ones that consume all_reduce +
-# rms_norm / fused_add_rms_norm, or the norm itself (RMSNormReshapeFusionPass: 0.33+, transformers
+# rms_norm / fused_add_rms_norm, or the norm itself (RMSNormReshapeFusionPass: 0.27+, transformers
 # backend; the ROCm ones for completeness, arfuse is CUDA-only).
 _BEFORE = (
     "AllReduceFusionPass",
