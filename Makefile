@@ -161,5 +161,21 @@ test-gpu:
 	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
 	  $(PYTHON) -m pytest -q -ra tests -m gpu
 
+# vLLM (docs/vllm.md). Lane A runs inside `test` (vLLM 0.26.0 in $(PYTHON)'s environment, torch
+# 2.11). Lane B: tests/vllm under vLLM 0.34.0 and torch 2.14 in their own environment (about 7 GB;
+# remove it afterwards where disk is short), against the same stable-ABI library as `test` (run
+# `test` first). The static check reads every supported release's wheel from PyPI (one at a time,
+# about 300 MB each, deleted after); it needs neither torch nor vLLM.
+VLLM_B_ENV ?= build/vllm-b
+.PHONY: test-vllm-b test-vllm-contract
+
+test-vllm-b:
+	@scripts/install-vllm.sh $(VLLM_B_ENV)/bin/python requirements-vllm-0.34.txt
+	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
+	  $(VLLM_B_ENV)/bin/python -m pytest -q -ra tests/vllm
+
+test-vllm-contract:
+	python3 scripts/vllm_contract.py
+
 clean:
 	rm -rf out build dist arfuse/_lib

@@ -1,7 +1,8 @@
 """The arfuse fusion pass for vLLM's post-grad pass manager.
 
-Written against vLLM 0.26.0 (see scripts/install-vllm.sh for why that version). There the
-all-reduce fusion runs before vLLM's IR lowering, so the graph it sees holds
+Written against vLLM 0.26.0 and run under 0.34.0 too (tests/vllm, both lanes); what it uses of
+vLLM is listed in arfuse/vllm/contract.py and checked for every release 0.26.0 ... 0.34.0. There
+the all-reduce fusion runs before vLLM's IR lowering, so the graph it sees holds
 
     torch.ops.vllm.all_reduce.default(x, group_name)
     torch.ops.vllm_ir.rms_norm.default(x, weight, eps[, variance_size])

@@ -3,20 +3,31 @@
 
 vLLM calls register() once in every process it starts (API server, engine core, workers), through
 vllm.plugins.load_general_plugins. With ARFUSE_VLLM unset or 0 it returns at once and touches
-nothing. With ARFUSE_VLLM=1 it hooks three places of vLLM 0.26.0, each once per process
-(register() is re-entrant):
+nothing. With ARFUSE_VLLM=1 it hooks three places of vLLM (0.26.0 ... 0.34.0; the targets are
+items of arfuse.vllm.contract), each once per process (register() is re-entrant):
 
 1. PostGradPassManager.configure: after vLLM has set up its own passes, the arfuse fusion pass is
    put in front of vLLM's own all-reduce / norm-quant fusion passes (so it sees the all-reduce +
    norm pairs first), i.e. still before vLLM's IR lowering. vLLM has no plugin API for compile
-   passes (PassConfig forbids extra fields; the post_grad_custom_post_pass slot runs after the
-   built-in fusions), hence the wrapper. With tensor parallelism 1 nothing is added.
-2. VllmConfig.compute_hash: the hash names the arfuse configuration, so vLLM's compile cache (and
-   its AOT artifacts) never hands a graph compiled without arfuse to a run with it, or back.
+   passes (PassConfig forbids extra fields; the post_grad_custom_post_pass slot, arfuse.vllm.slot,
+   runs after the built-in fusions), hence the wrapper. With tensor parallelism 1 nothing is added.
+2. The compile cache key: VllmConfig.compute_hash up to 0.33 (0.30+ with an include_version
+   keyword, hence *args/**kwargs), VllmConfig.compile_factors from 0.34 (compute_hash is gone; the
+   compile cache, the AOT artifacts and FlashInfer's autotune cache hash these factors). The key
+   names the arfuse configuration, so vLLM's compile cache never hands a graph compiled without
+   arfuse to a run with it, or back.
 3. Worker.load_model: the communicator for vLLM's tensor-parallel group is created right after the
    weights are loaded, on every rank, whether or not torch.compile runs later. A graph loaded
    from vLLM's cache holds the communicator's handle as a constant, so the communicator must exist
    even when the pass is never constructed; and the eager call can use it without torch.compile.
+
+A failure in arfuse never stops vLLM (arfuse.vllm.guard): a hook target that this vLLM lacks is
+skipped with one log line, and since the three belong together (a pass without the cache key or
+the communicator hook would be unsafe) the integration then stays off; an exception in register()
+or in what a hook adds is logged (one line) and switches the integration off in that process,
+vLLM's own behaviour and graphs untouched. vLLM's own exceptions pass through the hooks unchanged.
+On a vLLM release not in contract.SUPPORTED, register() first checks the contract against the
+installed vLLM and stays off (one log line) if something the integration needs is missing.
 
 The communicator is created lazily (first of: the hook above, the pass, the eager call) over the
 tensor-parallel group's gloo group, with max_tokens = scheduler_config.max_num_batched_tokens
@@ -25,26 +36,26 @@ tensor-parallel group's gloo group, with max_tokens = scheduler_config.max_num_b
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import logging
 import threading
 from typing import Any
 
+from . import contract as _contract
+from . import guard as _guard
 from . import settings as _settings
-
-# Under "vllm" so that vLLM's logging configuration (format, level) applies.
-logger = logging.getLogger("vllm.arfuse")
+from .guard import logger
 
 _lock = threading.RLock()
 _hooked = False
+_cache_key: str | None = None
+# The config of the last Worker.load_model in this process (the slot pass falls back to it).
+_worker_config: Any = None
 # (tp group name, hidden, dtype, max_tokens, oneshot_max_tokens) -> arfuse.Communicator
 _communicators: dict[tuple[Any, ...], Any] = {}
-_MARK = "__arfuse_vllm_hook__"
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point. Does nothing unless ARFUSE_VLLM=1."""
+    """The `vllm.general_plugins` entry point. Does nothing unless ARFUSE_VLLM=1; never raises."""
     try:
         s = _settings.from_env()
     except ValueError as e:
@@ -52,14 +63,15 @@ def register() -> None:
         return
     if not s.enabled:
         return
-    global _hooked
-    with _lock:
-        if _hooked:
-            return
-        _hook_pass_manager()
-        _hook_config_hash()
-        _hook_worker()
-        _hooked = True
+    try:
+        with _lock:
+            if _hooked or not _guard.active():
+                return
+            if not _install_hooks():
+                return
+    except Exception as e:  # noqa: BLE001  (vLLM's plugin loader does not catch: vLLM would not start)
+        _guard.disable(f"register: {_guard.describe(e)}")
+        return
     logger.info("arfuse: vLLM integration enabled (%s)", s.as_dict())
 
 
@@ -69,6 +81,13 @@ def is_registered() -> bool:
 
 
 # ---- the communicator ----------------------------------------------------------------------------
+
+
+def model_parallel_ready() -> bool:
+    """Whether vLLM has set its parallel groups up in this process."""
+    from vllm.distributed import parallel_state as ps
+
+    return bool(ps.model_parallel_is_initialized())
 
 
 def tensor_parallel_size() -> int:
@@ -177,14 +196,18 @@ def close_communicators() -> None:
 
 # ---- the hooks -----------------------------------------------------------------------------------
 
-# vLLM passes the arfuse pass goes in front of, by class name (the ones that consume
-# all_reduce + rms_norm / fused_add_rms_norm, or the norm itself).
+# vLLM passes the arfuse pass goes in front of, by class name: the ones that consume all_reduce +
+# rms_norm / fused_add_rms_norm, or the norm itself (RMSNormReshapeFusionPass: 0.27+, transformers
+# backend; the ROCm ones for completeness, arfuse is CUDA-only).
 _BEFORE = (
     "AllReduceFusionPass",
+    "RocmAiterTritonAddRMSNormPadFusionPass",
     "RocmAiterAllReduceFusionPass",
+    "RMSNormReshapeFusionPass",
     "RocmAiterRMSNormQuantFusionPass",
     "RMSNormQuantFusionPass",
 )
+_ARFUSE_PASSES = ("ArfuseAllReduceFusionPass", "GuardedPass")
 
 
 def add_pass(pass_manager: Any, fusion_pass: Any) -> None:
@@ -198,40 +221,34 @@ def add_pass(pass_manager: Any, fusion_pass: Any) -> None:
     passes.append(fusion_pass)
 
 
-def configure_pass_manager(pass_manager: Any, vllm_config: Any) -> Any | None:
-    """What the configure hook does after vLLM's own configure: adds the arfuse pass when there
-    is something to fuse. Returns the pass, or None when it stays out."""
-    if any(type(p).__name__ == "ArfuseAllReduceFusionPass" for p in pass_manager.passes):
-        return None  # configure called twice on one manager
+def build_pass(vllm_config: Any) -> Any | None:
+    """The arfuse pass for `vllm_config`, wrapped in GuardedPass; None when there is nothing to
+    fuse (tensor parallelism 1, no communicator for the model). Exceptions propagate (the callers
+    are guarded)."""
     if tensor_parallel_size() <= 1:
         return None
     from .fusion import ArfuseAllReduceFusionPass
+    from .guarded_pass import GuardedPass
 
     fusion_pass = ArfuseAllReduceFusionPass(vllm_config)
     if fusion_pass.disabled:
         return None
-    add_pass(pass_manager, fusion_pass)
+    return GuardedPass(fusion_pass)
+
+
+def configure_pass_manager(pass_manager: Any, vllm_config: Any) -> Any | None:
+    """What the configure hook does after vLLM's own configure: adds the arfuse pass when there
+    is something to fuse. Returns the pass, or None when it stays out."""
+    if any(type(p).__name__ in _ARFUSE_PASSES for p in pass_manager.passes):
+        return None  # configure called twice on one manager
+    fusion_pass = build_pass(vllm_config)
+    if fusion_pass is not None:
+        add_pass(pass_manager, fusion_pass)
     return fusion_pass
 
 
-def _hook_pass_manager() -> None:
-    from vllm.compilation.passes.pass_manager import PostGradPassManager
-
-    original = PostGradPassManager.configure
-    if getattr(original, _MARK, False):
-        return
-
-    @functools.wraps(original)
-    def configure(self: Any, config: Any) -> None:
-        original(self, config)
-        configure_pass_manager(self, config)
-
-    setattr(configure, _MARK, True)
-    PostGradPassManager.configure = configure
-
-
 def cache_key() -> str:
-    """What the arfuse configuration contributes to vLLM's config hash."""
+    """What the arfuse configuration contributes to vLLM's compile cache key."""
     import arfuse
 
     parts = [
@@ -242,38 +259,100 @@ def cache_key() -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
-def _hook_config_hash() -> None:
-    from vllm.config import VllmConfig
-
-    original = VllmConfig.compute_hash
-    if getattr(original, _MARK, False):
-        return
-
-    @functools.wraps(original)
-    def compute_hash(self: Any) -> str:
-        base = original(self)
-        mixed = hashlib.sha256(f"{base}|arfuse|{cache_key()}".encode()).hexdigest()
-        return mixed[: len(base)]
-
-    setattr(compute_hash, _MARK, True)
-    VllmConfig.compute_hash = compute_hash
+def _mix_hash(base: str) -> str:
+    assert _cache_key is not None
+    return hashlib.sha256(f"{base}|arfuse|{_cache_key}".encode()).hexdigest()[: len(base)]
 
 
-def _hook_worker() -> None:
+def _after_compute_hash(config: Any, base: str, args: Any, kwargs: Any) -> str:
+    return _mix_hash(base)
+
+
+def _after_compile_factors(config: Any, factors: Any, args: Any, kwargs: Any) -> Any:
+    return {**factors, "arfuse": _cache_key}
+
+
+def _after_configure(pass_manager: Any, result: Any, args: Any, kwargs: Any) -> Any:
+    config = args[0] if args else kwargs.get("config")
+    configure_pass_manager(pass_manager, config)
+    return result
+
+
+def _after_load_model(worker: Any, result: Any, args: Any, kwargs: Any) -> Any:
+    global _worker_config
+    _worker_config = worker.vllm_config
+    get_communicator(worker.vllm_config)
+    return result
+
+
+def worker_config() -> Any:
+    """The VllmConfig of the last Worker.load_model in this process (None before)."""
+    return _worker_config
+
+
+def _target(key: str) -> tuple[type, str] | str:
+    """(class, method name) of the hook target contract item `key`, or why this vLLM lacks it."""
+    import importlib
+
+    item = _contract.BY_KEY[key]
+    cls_name, method = item.name.rsplit(".", 1)
     try:
-        from vllm.v1.worker.gpu_worker import Worker
-    except Exception as e:  # no GPU worker in this build or platform: nothing to hook
-        logger.debug("arfuse: GPU worker not hooked: %s", e)
-        return
-    original = Worker.load_model
-    if getattr(original, _MARK, False):
-        return
+        owner = importlib.import_module(item.module)
+        for part in cls_name.split("."):
+            owner = getattr(owner, part)
+        getattr(owner, method)
+    except Exception as e:  # noqa: BLE001  (ImportError, AttributeError, or the module failing)
+        return f"hook {key} skipped: {item.module}.{item.name} not found ({_guard.describe(e)})"
+    return owner, method
 
-    @functools.wraps(original)
-    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, *args, **kwargs)
-        get_communicator(self.vllm_config)
-        return result
 
-    setattr(load_model, _MARK, True)
-    Worker.load_model = load_model
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _unknown_release_problems() -> list[str]:
+    """For a vLLM release not in contract.SUPPORTED: what the integration needs and the installed
+    vLLM lacks (hook and pass items). Empty for a supported release (checked statically)."""
+    version = _vllm_version()
+    if version.split("+")[0] in _contract.SUPPORTED:
+        return []
+    problems = _contract.summarize(_contract.check_installed(needs=("hook", "pass")))
+    if not problems:
+        logger.info("arfuse: vLLM %s is not among the releases checked (%s ... %s); the installed "
+                    "vLLM has everything arfuse.vllm.contract lists", version,
+                    _contract.SUPPORTED[0], _contract.SUPPORTED[-1])
+    return problems
+
+
+def _install_hooks() -> bool:
+    """Installs every hook, or none. Returns whether the integration is on."""
+    global _hooked, _cache_key
+    problems = _unknown_release_problems()
+    if problems:
+        _guard.disable(f"vLLM {_vllm_version()} is not among the releases checked "
+                       f"({_contract.SUPPORTED[0]} ... {_contract.SUPPORTED[-1]}) and lacks what "
+                       f"the integration needs: {'; '.join(problems)}")
+        return False
+    # Up to 0.33 the compile cache hashes VllmConfig.compute_hash, from 0.34 compile_factors.
+    cache = _target("hook.cache_key.compute_hash")
+    after_cache = _after_compute_hash
+    if isinstance(cache, str):
+        cache, after_cache = _target("hook.cache_key.compile_factors"), _after_compile_factors
+    targets = {"cache key": cache, "configure": _target("hook.configure"),
+               "worker": _target("hook.worker")}
+    for what, target in targets.items():
+        if isinstance(target, str):  # the three belong together: none, or all of them
+            _guard.disable(f"{target}; no {what} hook possible, so the integration stays off")
+            return False
+    _cache_key = cache_key()  # computed once, before anything is hooked
+    owner, name = targets["cache key"]
+    _guard.after_hook(owner, name, after_cache, f"{owner.__name__}.{name} hook")
+    _guard.after_hook(*targets["worker"], _after_load_model, "Worker.load_model hook")
+    _guard.after_hook(*targets["configure"], _after_configure, "PostGradPassManager.configure hook")
+    _hooked = True
+    return True

@@ -1,12 +1,18 @@
 """Run by test_plugin.py in a fresh process (vLLM loads general plugins once per process):
 loads the plugins through vLLM's own loader and prints what the arfuse plugin did, as JSON.
 
-Usage: python plugin_probe.py MODEL_DIR
+Usage: python plugin_probe.py MODEL_DIR [SCENARIO]
+
+SCENARIO (default "plain") changes something before the plugins load, to see the plugin cope:
+  no-configure      PostGradPassManager without configure (as a release that renamed it)
+  newer             the installed vLLM taken for a release newer than the supported ones
+  newer-no-configure  both
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -17,53 +23,108 @@ import vllm_harness as H  # noqa: E402  (sets the offline switches before vLLM i
 
 import torch  # noqa: E402
 import vllm.plugins  # noqa: E402
+from vllm.compilation.caching import aot_compile_hash_factors  # noqa: E402
 from vllm.compilation.passes.pass_manager import PostGradPassManager  # noqa: E402
 from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
 
 MARK = "__arfuse_vllm_hook__"
 
 
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.INFO:
+            self.lines.append(record.getMessage())
+
+
+def cache_key(config: VllmConfig) -> list[str]:
+    """vLLM's own compile-cache key factors for `config`: the env hash and the config hash (the
+    Inductor factors that may follow are bytes on some releases and no business of arfuse)."""
+    return [str(f) for f in aot_compile_hash_factors(config)[:2]]
+
+
+def cache_key_variants(config: VllmConfig) -> list[str]:
+    """The config hash as FlashInfer's autotune cache asks for it (0.30+: include_version=False)."""
+    out = []
+    if hasattr(VllmConfig, "compute_hash"):
+        try:
+            out.append(config.compute_hash(include_version=False))
+        except TypeError as e:  # 0.26-0.29: no such keyword, in vLLM's own method too
+            out.append(f"TypeError: {e}")
+    else:
+        out.append(json.dumps(config.compile_factors(include_version=False), sort_keys=True,
+                              default=str))
+    return out
+
+
 def main() -> None:
     root = Path(sys.argv[1])
-    original = {"configure": PostGradPassManager.configure, "hash": VllmConfig.compute_hash}
+    scenario = sys.argv[2] if len(sys.argv) > 2 else "plain"
+    log = Lines()
+    logging.getLogger("vllm.arfuse").addHandler(log)
+    # vLLM 0.34 configures its loggers only when its CLI or engine starts (up to 0.33: on import);
+    # what arfuse logs at INFO must be seen here either way.
+    logging.getLogger("vllm.arfuse").setLevel(logging.INFO)
+    hash_name = "compute_hash" if hasattr(VllmConfig, "compute_hash") else "compile_factors"
+    original = {"configure": PostGradPassManager.configure, "hash": getattr(VllmConfig, hash_name)}
     config = H.vllm_config(root, H.QWEN3_MOE, torch.bfloat16)
-    hash_before = config.compute_hash()
+    key_before = cache_key(config)
+    variants_before = cache_key_variants(config)
+    if scenario in ("no-configure", "newer-no-configure"):
+        del PostGradPassManager.configure
+    if scenario.startswith("newer"):
+        from arfuse.vllm import plugin as _plugin
+
+        _plugin._vllm_version = lambda: "0.35.0"
+    worker_hooked = None
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except ImportError as e:
+        Worker = None
+        worker_hooked = f"not importable: {e}"
 
     found = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "arfuse"]
     vllm.plugins.load_general_plugins()
     vllm.plugins.load_general_plugins()  # vLLM loads once per process
-    from arfuse.vllm import plugin
+    from arfuse.vllm import guard, plugin
 
     plugin.register()  # and the plugin itself is re-entrant
 
-    configure = PostGradPassManager.configure
-    worker_hooked = None
-    try:
-        from vllm.v1.worker.gpu_worker import Worker
-
-        worker_hooked = getattr(Worker.load_model, MARK, False)
-    except Exception as e:  # noqa: BLE001
-        worker_hooked = f"not importable: {e}"
+    configure = getattr(PostGradPassManager, "configure", None)
+    if Worker is not None:
+        worker_hooked = getattr(getattr(Worker, "load_model", None), MARK, False)
 
     # vLLM running with tensor parallelism 1: the hooks must change nothing.
     H.ensure_distributed(config)
     pm = PostGradPassManager()
-    with set_current_vllm_config(config):
-        pm.configure(config)
+    if configure is not None:
+        with set_current_vllm_config(config):
+            pm.configure(config)
     comm = plugin.get_communicator(config)
 
     print(
         json.dumps(
             {
+                "scenario": scenario,
                 "entry_points": found,
                 "registered": plugin.is_registered(),
+                "disabled": guard.disabled_reason(),
+                "log": log.lines,
+                "hash_method": hash_name,
                 "configure_hooked": getattr(configure, MARK, False),
                 "configure_wrapped_once": getattr(configure, "__wrapped__", None)
                 is original["configure"],
-                "hash_hooked": getattr(VllmConfig.compute_hash, MARK, False),
+                "hash_hooked": getattr(getattr(VllmConfig, hash_name), MARK, False),
+                "hash_wrapped_once": getattr(getattr(VllmConfig, hash_name), "__wrapped__", None)
+                is original["hash"],
                 "worker_hooked": worker_hooked,
-                "hash_before": hash_before,
-                "hash_after": config.compute_hash(),
+                "key_before": key_before,
+                "key_after": cache_key(config),
+                "variants_before": variants_before,
+                "variants_after": cache_key_variants(config),
                 "tp1_passes": [type(p).__name__ for p in pm.passes],
                 "tp1_communicator": comm is not None,
             }

@@ -49,7 +49,7 @@ def site(tmp_path_factory):
     return d
 
 
-def probe(site, tmp_path, **env):
+def probe(site, tmp_path, scenario="plain", **env):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ARFUSE_VLLM")}
     environ.update(env)
     environ.pop("VLLM_PLUGINS", None)
@@ -58,7 +58,7 @@ def probe(site, tmp_path, **env):
     )
     script = Path(__file__).with_name("plugin_probe.py")
     proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
+        [sys.executable, str(script), str(tmp_path), scenario],
         env=environ,
         capture_output=True,
         text=True,
@@ -66,6 +66,10 @@ def probe(site, tmp_path, **env):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def arfuse_passes(names):
+    return [n for n in names if n.startswith("Arfuse") or n == "GuardedPass"]
 
 
 def test_off_by_default(site, tmp_path):
@@ -76,23 +80,71 @@ def test_off_by_default(site, tmp_path):
     assert got["registered"] is False
     assert not got["configure_hooked"] and not got["hash_hooked"]
     assert got["worker_hooked"] is not True
-    assert got["hash_after"] == got["hash_before"]
-    assert "ArfuseAllReduceFusionPass" not in got["tp1_passes"]
+    assert got["key_after"] == got["key_before"]
+    assert got["variants_after"] == got["variants_before"]
+    assert not arfuse_passes(got["tp1_passes"])
+    assert got["log"] == []
 
 
 def test_enabled_hooks_once_and_stays_out_at_tp1(site, tmp_path):
-    H.require_arfuse()
     got = probe(site, tmp_path, ARFUSE_VLLM="1")
-    assert got["registered"] is True
+    assert got["registered"] is True, got["log"]
+    assert got["disabled"] is None
     assert got["configure_hooked"] and got["configure_wrapped_once"]
-    assert got["hash_hooked"]
-    # The compile cache key names the arfuse configuration.
-    assert got["hash_after"] != got["hash_before"]
+    # The compile cache key method of this release: compute_hash up to 0.33, compile_factors 0.34.
+    vllm = H.require_vllm()
+    major_minor = tuple(int(x) for x in vllm.__version__.split(".")[:2])
+    assert got["hash_method"] == ("compile_factors" if major_minor >= (0, 34) else "compute_hash")
+    assert got["hash_hooked"] and got["hash_wrapped_once"]
+    # vLLM's own compile cache key (aot_compile_hash_factors: env hash, config hash, ...) names
+    # the arfuse configuration: only the config part changes.
+    assert got["key_after"][1] != got["key_before"][1]
+    assert got["key_after"][0] == got["key_before"][0]
+    # ... also as FlashInfer's autotune cache asks (include_version=False, 0.30+), which a
+    # wrapper without **kwargs broke; on 0.26-0.29 vLLM's own method has no such keyword and
+    # the wrapped one raises the same TypeError.
+    before, after = got["variants_before"][0], got["variants_after"][0]
+    if before.startswith("TypeError"):
+        assert after == before
+    else:
+        assert after != before
     # Tensor parallelism 1: no pass, no communicator.
-    assert "ArfuseAllReduceFusionPass" not in got["tp1_passes"]
+    assert not arfuse_passes(got["tp1_passes"])
     assert got["tp1_communicator"] is False
     # The GPU worker class is importable on this machine too; its load_model is hooked.
     assert got["worker_hooked"] is True, got["worker_hooked"]
+    assert any("integration enabled" in line for line in got["log"]), got["log"]
+    assert [line for line in got["log"] if "enabled" not in line] == []
+
+
+def test_missing_hook_target_leaves_vllm_running(site, tmp_path):
+    """A release without one of the hook targets (simulated: configure removed before the
+    plugins load): register() returns, one log line names the target, nothing is hooked."""
+    got = probe(site, tmp_path, "no-configure", ARFUSE_VLLM="1")
+    assert got["registered"] is False
+    assert len(got["log"]) == 1, got["log"]
+    assert "hook.configure skipped" in got["log"][0]
+    assert "PostGradPassManager.configure" in got["log"][0]
+    assert not got["hash_hooked"] and got["worker_hooked"] is not True
+    assert got["key_after"] == got["key_before"]
+
+
+def test_newer_release_checks_the_contract_first(site, tmp_path):
+    """A vLLM release the integration was not checked against: register() checks the contract
+    against the installed vLLM; with everything there it hooks (and says so in one line)."""
+    got = probe(site, tmp_path, "newer", ARFUSE_VLLM="1")
+    assert got["registered"] is True
+    assert got["hash_hooked"] and got["configure_hooked"]
+    others = [line for line in got["log"] if "enabled" not in line]
+    assert len(others) == 1 and "0.35.0 is not among the releases checked" in others[0]
+
+
+def test_newer_release_lacking_something_stays_off(site, tmp_path):
+    got = probe(site, tmp_path, "newer-no-configure", ARFUSE_VLLM="1")
+    assert got["registered"] is False
+    assert len(got["log"]) == 1, got["log"]
+    assert "0.35.0" in got["log"][0] and "hook.configure: missing" in got["log"][0]
+    assert not got["hash_hooked"] and got["worker_hooked"] is not True
 
 
 def test_pass_goes_before_vllms_own_allreduce_and_norm_fusions():

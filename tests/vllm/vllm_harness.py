@@ -1,4 +1,5 @@
-"""Set-up shared by the tests against the real vLLM package (0.26.0, requirements-vllm.txt).
+"""Set-up shared by the tests against the real vLLM package: lane A vLLM 0.26.0 with torch 2.11
+(requirements-vllm.txt), lane B vLLM 0.34.0 with torch 2.14 (requirements-vllm-0.34.txt).
 
 Everything runs on the CPU in one process with vLLM's distributed state for a world of one rank
 (gloo). Modules call vLLM's real ops the way vLLM's decoder layers do, with one deliberate
@@ -30,9 +31,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-VLLM_VERSION = "0.26.0"
-
-
 _NO_VLLM = "vLLM is not installed (scripts/install-vllm.sh installs the pinned release)"
 
 
@@ -63,9 +61,11 @@ def require_arfuse() -> Any:
     import arfuse
 
     if not arfuse.is_built():
+        from arfuse import _lib
+
         pytest.skip(
-            f"arfuse's compiled library is not built ({arfuse.library_path()} missing or not "
-            "loadable; `make` builds it)",
+            f"arfuse's compiled library is not usable here (torch {torch.__version__}): "
+            f"{getattr(_lib, '_error', None) or arfuse.library_path() + ' not loadable'}",
             allow_module_level=True,
         )
     return arfuse
@@ -521,11 +521,14 @@ def compile_with_pass_manager(
     *,
     compile_range: tuple[int, int],
     dynamic: bool = False,
+    append: bool = False,
 ) -> Compiled:
     """torch.compile `module` with Inductor and vLLM's PostGradPassManager (configured from
     `config`, the arfuse pass added by the plugin's own add_pass), as vLLM's backend sets them up:
     the IR functionalization pass pre-grad, the pass manager post-grad, inside vLLM's pass
-    context for `compile_range`. Returns the output of one call and the graph around the pass."""
+    context for `compile_range`. Returns the output of one call and the graph around the pass.
+    append: the pass goes in with vLLM's own PostGradPassManager.add (after vLLM's passes), as
+    VllmBackend.configure_post_pass adds the post_grad_custom_post_pass slot's object."""
     from torch._inductor.compile_fx import compile_fx
     from vllm.compilation.passes.inductor_pass import pass_context
     from vllm.compilation.passes.ir.inplace_functionalization import (
@@ -545,7 +548,10 @@ def compile_with_pass_manager(
     pm = PostGradPassManager()
     with set_current_vllm_config(config):
         pm.configure(config)
-    plugin.add_pass(pm, fusion_pass)
+    if append:
+        pm.add(fusion_pass)
+    else:
+        plugin.add_pass(pm, fusion_pass)
     before, after = GraphRecorder(), GraphRecorder()
     i = pm.passes.index(fusion_pass)
     pm.passes[i : i + 1] = [before, fusion_pass, after]

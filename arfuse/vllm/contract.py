@@ -1,0 +1,370 @@
+"""What arfuse's vLLM integration uses of vLLM: the one table.
+
+Every name the plugin, the fusion pass, the eager call and the post_grad_custom_post_pass object
+import from vLLM or hook in it is an Item here (tests/vllm/test_contract.py fails when a `vllm.`
+import or a vLLM op name in arfuse/vllm/*.py is not), and the same table is checked
+
+* statically, release by release, from the released wheels' sources (scripts/vllm_contract.py,
+  through arfuse.vllm.contract_ast; no torch, no install), and
+* at run time against the installed vLLM (check_installed below): by the plugin at start-up (the
+  hook targets) and by tests/vllm/test_contract.py (everything).
+
+This module imports nothing but the standard library at module level, so that the static checker
+can load it by path without torch.
+
+Needs (what a missing item costs):
+  hook  a plugin hook target: that hook is skipped with one log line. "one_of" groups are met when
+        any member is there (the compile cache key: compute_hash up to 0.33, compile_factors 0.34).
+  pass  the fusion pass or the eager call: the pass stays out of vLLM's pass list (one log line).
+  slot  the official post_grad_custom_post_pass slot (docs/vllm.md).
+  tests only the test harness (tests/vllm/vllm_harness.py); not the integration.
+  info  reported only (what the eager call accepts from releases that have it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+from typing import Any
+
+# The releases the integration claims to support (all of 0.26.0 ... 0.34.0 on PyPI).
+SUPPORTED = (
+    "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0",
+    "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
+)  # fmt: skip
+NEEDS_THAT_FAIL = ("hook", "pass", "slot")
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One thing of vLLM the integration relies on.
+
+    kind:
+      module    the module exists (and imports; `cuda` modules are only read, see below)
+      class / function / method / attr
+                `name` (dotted inside `module`) exists; attr also finds `self.X = ...` in a method
+                of the class or its bases; `params`: the parameter names expected (self included,
+                `*`-prefixed for *args/**kwargs), compared in order
+      field     a dataclass / pydantic field of the class `name.rsplit(".", 1)[0]`
+      op        a custom op `ns::op` (name) registered in `module`; params: its argument names
+      op_ref    `name` (an attribute chain like torch.ops._C.x) is referenced in `module`'s source
+                (ops vLLM registers in C++: their schema is not in Python)
+      code      every fragment of `fragments` occurs in the source of the function `name`
+                (normalised by ast.unparse)
+    strict: a changed signature counts as missing (the pass's patterns depend on the argument
+      order); otherwise a changed signature is only reported ("changed"). A changed `code` item
+      always counts.
+    cuda: the module cannot be imported without vLLM's CUDA kernels (a GPU driver); the installed
+      check reads its source instead of importing it.
+    """
+
+    key: str
+    need: str
+    kind: str
+    module: str
+    name: str = ""
+    params: tuple[str, ...] | None = None
+    strict: bool = False
+    one_of: str = ""
+    fragments: tuple[str, ...] = ()
+    cuda: bool = False
+    why: str = ""
+
+
+_PM = "vllm.compilation.passes.pass_manager"
+_IP = "vllm.compilation.passes.inductor_pass"
+_VIP = "vllm.compilation.passes.vllm_inductor_pass"
+_PS = "vllm.distributed.parallel_state"
+_MOE = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
+_MOE_PARAMS = (
+    "hidden_states", "router_logits", "shared_experts_input", "input_ids", "layer_name",
+    "hidden_dim_unpadded",
+)  # fmt: skip
+
+ITEMS: tuple[Item, ...] = (
+    # ---- plugin hooks (arfuse.vllm.plugin) ------------------------------------------------------
+    Item("hook.configure", "hook", "method", _PM, "PostGradPassManager.configure",
+         ("self", "config"), why="the arfuse pass goes into vLLM's pass list after configure"),
+    Item("hook.passes", "hook", "attr", _PM, "PostGradPassManager.passes",
+         why="the list the configure hook inserts into"),
+    Item("hook.cache_key.compute_hash", "hook", "method", "vllm.config", "VllmConfig.compute_hash",
+         ("self",), one_of="cache_key",
+         why="compile cache key up to 0.33 (0.30+: include_version=True keyword)"),
+    Item("hook.cache_key.compile_factors", "hook", "method", "vllm.config",
+         "VllmConfig.compile_factors", ("self", "include_version"), one_of="cache_key",
+         why="compile cache key from 0.34 (hash_factors of these factors)"),
+    Item("hook.worker", "hook", "method", "vllm.v1.worker.gpu_worker", "Worker.load_model",
+         ("self", "load_dummy_weights"), cuda=True,
+         why="the communicator is created after the weights are loaded"),
+    Item("plugin.tp_group", "pass", "function", _PS, "get_tp_group", ()),
+    Item("plugin.tp_initialized", "pass", "function", _PS, "model_parallel_is_initialized", ()),
+    Item("plugin.tp_world_size", "pass", "function", _PS, "get_tensor_model_parallel_world_size",
+         ()),
+    Item("plugin.group.unique_name", "pass", "attr", _PS, "GroupCoordinator.unique_name"),
+    Item("plugin.group.cpu_group", "pass", "attr", _PS, "GroupCoordinator.cpu_group"),
+    Item("plugin.group.device", "pass", "attr", _PS, "GroupCoordinator.device"),
+    Item("plugin.hidden_size", "pass", "method", "vllm.config.model",
+         "ModelConfig.get_hidden_size", ("self",)),
+    Item("plugin.max_num_batched_tokens", "pass", "field", "vllm.config.scheduler",
+         "SchedulerConfig.max_num_batched_tokens"),
+    # The arfuse pass goes in front of the first of these (by class name; their modules need CUDA).
+    Item("order.allreduce_fusion", "pass", "class", "vllm.compilation.passes.fusion."
+         "allreduce_rms_fusion", "AllReduceFusionPass", cuda=True,
+         why="consumes all_reduce + rms_norm: the arfuse pass must run first"),
+    Item("order.norm_quant_fusion", "pass", "class", "vllm.compilation.passes.fusion."
+         "rms_quant_fusion", "RMSNormQuantFusionPass", cuda=True,
+         why="consumes rms_norm + quant: the arfuse pass must run first"),
+    Item("order.norm_reshape_fusion", "info", "class", "vllm.compilation.passes.fusion."
+         "add_rms_fusion", "RMSNormReshapeFusionPass", cuda=True,
+         why="0.27+, transformers backend: moves reshapes ahead of norms; arfuse goes first"),
+    Item("order.passes_before_lowering", "pass", "code", _PM, "PostGradPassManager.__call__",
+         fragments=("for pass_ in self.passes:", "pass_.is_applicable_for_range(compile_range)",
+                    "self.ir_lowering(graph)"),
+         why="the pass list runs (range-checked) before vLLM's IR lowering"),
+    # ---- the fusion pass (arfuse.vllm.fusion) ----------------------------------------------------
+    Item("pass.inductor_pass", "pass", "class", _IP, "InductorPass"),
+    Item("pass.hash_source", "pass", "method", _IP, "InductorPass.hash_source", ("*srcs",)),
+    Item("pass.hash_dict", "pass", "method", _IP, "InductorPass.hash_dict", ("dict_",)),
+    Item("pass.fake_mode", "pass", "function", _IP, "enable_fake_mode", ("fn",)),
+    Item("pass.vllm_inductor_pass", "pass", "method", _VIP, "VllmInductorPass.__init__",
+         ("self", "config")),
+    Item("pass.time_and_log", "pass", "method", _VIP, "VllmInductorPass.time_and_log",
+         ("call_fn",)),
+    Item("pass.model_dtype", "pass", "attr", _VIP, "VllmInductorPass.model_dtype"),
+    Item("pass.device", "pass", "attr", _VIP, "VllmInductorPass.device"),
+    Item("pass.pattern_matcher_pass", "pass", "class", _VIP, "VllmPatternMatcherPass"),
+    Item("pass.match_table", "pass", "attr", _VIP, "VllmPatternMatcherPass.match_table"),
+    Item("pass.dump_patterns", "pass", "method", _VIP, "VllmPatternMatcherPass.dump_patterns",
+         ("self", "config", "pm_pass")),
+    Item("pass.vllm_config", "pass", "class", "vllm.config", "VllmConfig"),
+    Item("pass.range", "pass", "class", "vllm.config.utils", "Range"),
+    Item("pass.ir_ops", "pass", "module", "vllm.ir.ops"),
+    Item("op.all_reduce", "pass", "op", _PS, "vllm::all_reduce", ("tensor", "group_name"),
+         strict=True),
+    Item("op.rms_norm", "pass", "op", "vllm.ir.ops.layernorm", "vllm_ir::rms_norm",
+         ("x", "weight", "epsilon", "variance_size"), strict=True),
+    Item("op.fused_add_rms_norm", "pass", "op", "vllm.ir.ops.layernorm",
+         "vllm_ir::fused_add_rms_norm", ("x", "x_residual", "weight", "epsilon", "variance_size"),
+         strict=True),
+    Item("op.moe_forward", "pass", "op", _MOE, "vllm::moe_forward", _MOE_PARAMS, strict=True),
+    Item("op.moe_forward_shared", "pass", "op", _MOE, "vllm::moe_forward_shared", _MOE_PARAMS,
+         strict=True),
+    Item("op.static_scaled_fp8_quant", "pass", "op_ref", "vllm._custom_ops",
+         "torch.ops._C.static_scaled_fp8_quant", why="the static FP8 quant folded into the call"),
+    Item("pass.moe_tail", "pass", "method", _MOE, "MoERunner.forward",
+         why="routed scale + shared add + all-reduce: the MoE tail the patterns match"),
+    Item("pass.quant_fp8_native", "pass", "method",
+         "vllm.model_executor.layers.quantization.input_quant_fp8", "QuantFP8.forward_native",
+         why="the native static FP8 quant form the FP8 fold matches"),
+    # ---- the eager call (arfuse.vllm.eager) ------------------------------------------------------
+    Item("eager.rms_norm", "pass", "class", "vllm.model_executor.layers.layernorm", "RMSNorm"),
+    Item("eager.gemma_rms_norm", "pass", "class", "vllm.model_executor.layers.layernorm",
+         "GemmaRMSNorm"),
+    Item("eager.current_config", "pass", "function", "vllm.config", "get_current_vllm_config", ()),
+    Item("eager.all_reduce", "pass", "function", "vllm.distributed",
+         "tensor_model_parallel_all_reduce", ("input_",)),
+    Item("eager.ir_fused_add_rms_norm", "pass", "attr", "vllm.ir.ops", "fused_add_rms_norm"),
+    # vLLM's unfinalized MoE output, read by field name (0.28+; 0.33 adds route_major, a hint:
+    # the permute map stays valid). Absent from 0.26/0.27 by design, hence only "info".
+    *(Item(f"eager.unfinalized.{f}", "info", "field",
+           "vllm.model_executor.layers.fused_moe.moe_output", f"UnfinalizedMoEOutput.{f}")
+      for f in ("gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx")),
+    *(Item(f"eager.moe_output.{f}", "info", "field",
+           "vllm.model_executor.layers.fused_moe.moe_output", f"MoEOutput.{f}")
+      for f in ("routed", "shared_output", "routed_scaling_factor")),
+    # ---- the post_grad_custom_post_pass slot (arfuse.vllm.slot) ----------------------------------
+    Item("slot.inductor_passes", "slot", "field", "vllm.config.compilation",
+         "CompilationConfig.inductor_passes"),
+    Item("slot.resolution", "slot", "code", "vllm.config.compilation",
+         "CompilationConfig.__post_init__",
+         fragments=("__import__(module).__dict__[func_name]", "isinstance(func, InductorPass)"),
+         why="a qualified name resolves to an attribute of a top-level module; an InductorPass "
+             "instance is used as it is"),
+    Item("slot.backend_adds", "slot", "code", "vllm.compilation.backends",
+         "VllmBackend.configure_post_pass",
+         fragments=("self.pass_manager.configure(self.vllm_config)", "self.pass_manager.add("),
+         why="the slot's pass is appended after vLLM's own passes"),
+    Item("slot.pass_manager_add", "slot", "method", _PM, "PostGradPassManager.add",
+         ("self", "pass_")),
+    Item("slot.current_config", "slot", "function", "vllm.config", "get_current_vllm_config_or_none",
+         ()),
+    Item("slot.fuse_allreduce_rms", "slot", "field", "vllm.config.compilation",
+         "PassConfig.fuse_allreduce_rms", why="must be off for the slot to see the chain"),
+    Item("slot.fuse_norm_quant", "slot", "field", "vllm.config.compilation",
+         "PassConfig.fuse_norm_quant", why="must be off for the slot to see norm + FP8 quant"),
+    # ---- the test harness (tests/vllm) -----------------------------------------------------------
+    Item("tests.load_general_plugins", "tests", "function", "vllm.plugins",
+         "load_general_plugins", ()),
+    Item("tests.compilation_config", "tests", "class", "vllm.config", "CompilationConfig"),
+    Item("tests.device_config", "tests", "class", "vllm.config", "DeviceConfig"),
+    Item("tests.model_config", "tests", "class", "vllm.config", "ModelConfig"),
+    Item("tests.set_current_config", "tests", "function", "vllm.config", "set_current_vllm_config",
+         ("vllm_config", "check_compile", "prefix")),
+    Item("tests.pass_config", "tests", "class", "vllm.config.compilation", "PassConfig"),
+    Item("tests.eliminate_noops", "tests", "field", "vllm.config.compilation",
+         "PassConfig.eliminate_noops"),
+    Item("tests.init_distributed", "tests", "function", _PS, "init_distributed_environment"),
+    Item("tests.init_model_parallel", "tests", "function", _PS, "initialize_model_parallel"),
+    Item("tests.device_communicator", "tests", "method",
+         "vllm.distributed.device_communicators.base_device_communicator",
+         "DeviceCommunicatorBase.all_reduce", ("self", "input_")),
+    Item("tests.moe_runner_interface", "tests", "class",
+         "vllm.model_executor.layers.fused_moe.runner.moe_runner_interface", "MoERunnerInterface"),
+    Item("tests.layer_name", "tests", "class", "vllm.utils.torch_utils", "LayerName"),
+    Item("tests.use_layer_name", "tests", "attr", "vllm.utils.torch_utils", "_USE_LAYERNAME"),
+    Item("tests.pass_context", "tests", "function", _IP, "pass_context", ("compile_range",)),
+    Item("tests.ir_functionalization", "tests", "class",
+         "vllm.compilation.passes.ir.inplace_functionalization",
+         "VllmIRInplaceFunctionalizationPass"),
+    Item("tests.strides_patch", "tests", "function", "vllm.env_override",
+         "_apply_constrain_to_fx_strides_patch", ()),
+    Item("tests.forward_context", "tests", "function", "vllm.forward_context",
+         "set_forward_context"),
+    Item("tests.post_grad_pass_manager", "tests", "class", _PM, "PostGradPassManager"),
+    Item("tests.fix_functionalization", "tests", "attr", _PM,
+         "PostGradPassManager.fix_functionalization"),
+)
+
+BY_KEY = {i.key: i for i in ITEMS}
+assert len(BY_KEY) == len(ITEMS), "duplicate contract keys"
+
+
+@dataclasses.dataclass
+class Result:
+    """What a check found for one item: status ok / changed / missing, and the detail."""
+
+    item: Item
+    status: str
+    detail: str = ""
+    how: str = ""  # "import" or "source" (installed check); "wheel" (static check)
+
+
+def summarize(results: list[Result]) -> list[str]:
+    """The reasons the integration cannot run as claimed: a missing item of a failing need (one_of
+    groups: only when every member is missing), a strict item whose signature changed, or a code
+    item whose fragments are gone."""
+    problems: list[str] = []
+    groups: dict[str, list[Result]] = {}
+    for r in results:
+        if r.item.need not in NEEDS_THAT_FAIL:
+            continue
+        if r.item.one_of:
+            groups.setdefault(r.item.one_of, []).append(r)
+            continue
+        failing_change = r.item.strict or r.item.kind == "code"
+        if r.status == "missing" or (r.status == "changed" and failing_change):
+            problems.append(f"{r.item.key}: {r.status} {r.detail}".rstrip())
+    for name, members in groups.items():
+        if all(m.status == "missing" for m in members):
+            problems.append(f"{name}: none of {', '.join(m.item.key for m in members)}")
+    return problems
+
+
+# ---- the installed vLLM (import / inspect) -------------------------------------------------------
+
+
+def _param_names(fn: Any) -> tuple[str, ...]:
+    sig = inspect.signature(fn)
+    out = []
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_POSITIONAL:
+            out.append("*" + p.name)
+        elif p.kind is p.VAR_KEYWORD:
+            out.append("**" + p.name)
+        else:
+            out.append(p.name)
+    return tuple(out)
+
+
+def _compare(item: Item, got: tuple[str, ...] | None, how: str) -> Result:
+    if item.params is None or got is None:
+        return Result(item, "ok", "", how)
+    if tuple(got) == item.params:
+        return Result(item, "ok", f"({', '.join(got)})", how)
+    return Result(item, "changed", f"({', '.join(got)}), expected ({', '.join(item.params)})", how)
+
+
+def _lookup(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
+    return obj
+
+
+def _installed_source_root() -> str | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    import os
+
+    return os.path.dirname(list(spec.submodule_search_locations)[0])
+
+
+def _check_imported(item: Item) -> Result:
+    module = importlib.import_module(item.module)
+    if item.kind == "module":
+        return Result(item, "ok", "", "import")
+    if item.kind == "op":
+        import torch
+
+        ns, op = item.name.split("::")
+        packet = getattr(getattr(torch.ops, ns), op, None)
+        if packet is None or not hasattr(packet, "default"):
+            return Result(item, "missing", f"torch.ops.{ns}.{op} not registered", "import")
+        names = tuple(a.name for a in packet.default._schema.arguments)
+        return _compare(item, names, "import")
+    if item.kind == "field":
+        cls_name, field = item.name.rsplit(".", 1)
+        cls = _lookup(module, cls_name)
+        names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        names |= set(getattr(cls, "model_fields", {}) or {})
+        return Result(item, "ok" if field in names else "missing", "", "import")
+    obj = _lookup(module, item.name)
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if item.kind in ("class",) and not inspect.isclass(obj):
+        return Result(item, "changed", f"{type(obj).__name__}, not a class", "import")
+    if item.kind in ("function", "method") and not callable(obj):
+        return Result(item, "changed", f"{type(obj).__name__}, not callable", "import")
+    if item.kind in ("function", "method") and item.params is not None:
+        try:
+            names = _param_names(inspect.unwrap(obj))
+        except (TypeError, ValueError):
+            names = None
+        return _compare(item, names, "import")
+    return Result(item, "ok", "", "import")
+
+
+def check_item(item: Item) -> Result:
+    """One item against the installed vLLM: by import and inspect where that works without a GPU,
+    else (cuda modules, `self.X` attributes, code fragments, op_ref) from the installed sources."""
+    from . import contract_ast
+
+    by_source = item.cuda or item.kind in ("code", "op_ref")
+    if not by_source:
+        try:
+            result = _check_imported(item)
+        except (ImportError, AttributeError) as e:
+            if item.kind == "attr":  # maybe `self.X = ...`, only visible in the source
+                by_source = True
+            else:
+                return Result(item, "missing", f"{type(e).__name__}: {e}", "import")
+        else:
+            return result
+    root = _installed_source_root()
+    if root is None:
+        return Result(item, "missing", "vllm is not installed", "source")
+    res = contract_ast.check(contract_ast.DirSource(root), item)
+    res.how = "source"
+    return res
+
+
+def check_installed(needs: tuple[str, ...] | None = None, keys: tuple[str, ...] | None = None
+                    ) -> list[Result]:
+    """The table (or the items of `needs` / `keys`) against the installed vLLM."""
+    return [
+        check_item(i)
+        for i in ITEMS
+        if (needs is None or i.need in needs) and (keys is None or i.key in keys)
+    ]
