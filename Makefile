@@ -2,7 +2,8 @@
 #
 #   make                 generate the default matrix into out/, compile it, link the torch extension
 #                        into arfuse/_lib/ and build the wheel into dist/
-#   make test            Go checks and tests, a full nvcc build of variants/ci.yaml, Python tests
+#   make test            Go checks and tests, a full nvcc build of variants/ci.yaml, Python tests in
+#                        two lanes (vLLM 0.26 + torch 2.11, vLLM 0.34 + torch 2.14), vLLM contract check
 #                        (GPU tests run when a GPU is present and are reported skipped otherwise)
 #   make MATRIX=ci|default|full      choose the matrix for `make`
 #
@@ -37,7 +38,7 @@ TORCH_TARGET := 0x020b000000000000
 all: wheel
 
 help:
-	@sed -n '3,13p' Makefile
+	@sed -n '3,14p' Makefile
 
 # ---- environment -------------------------------------------------------------------------------
 env:
@@ -131,12 +132,20 @@ endif
 CI_OUT   := build/ci/out
 CI_LIB   := build/ci/lib
 
+# make test: lane A (Go, the CI-matrix build, vLLM 0.26.0 + torch 2.11 in .venv, the whole Python
+# suite), the static contract check of every vLLM release between the lanes, then lane B (vLLM
+# 0.34.0 + torch 2.14 in their own environment, the whole Python suite again against the SAME
+# library that lane A built). docs/vllm.md, "Test lanes".
 # The kernel build before the vLLM install: on a machine short of disk the vLLM tests are the ones
 # that give way (scripts/install-vllm.sh), never the build.
 test: test-go check-generated
 	@$(MAKE) --no-print-directory lib MATRIX=ci GENDIR=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN)
+	@echo "== lane A: vLLM 0.26.0, torch 2.11 ($(PYTHON))"
 	@$(MAKE) --no-print-directory vllm-env PYTHON=$(PYTHON)
 	@$(MAKE) --no-print-directory test-python
+	@echo "== the vLLM releases between the lanes, checked statically"
+	@$(MAKE) --no-print-directory test-vllm-contract
+	@$(MAKE) --no-print-directory test-lane-b
 
 test-go:
 ifeq ($(SKIP_GEN),0)
@@ -161,14 +170,27 @@ test-gpu:
 	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
 	  $(PYTHON) -m pytest -q -ra tests -m gpu
 
-# vLLM (docs/vllm.md). Lane A runs inside `test` (vLLM 0.26.0 in $(PYTHON)'s environment, torch
-# 2.11). Lane B: tests/vllm under vLLM 0.34.0 and torch 2.14 in their own environment (about 7 GB;
-# remove it afterwards where disk is short), against the same stable-ABI library as `test` (run
-# `test` first). The static check reads every supported release's wheel from PyPI (one at a time,
-# about 300 MB each, deleted after); it needs neither torch nor vLLM.
-VLLM_B_ENV ?= build/vllm-b
-.PHONY: test-vllm-b test-vllm-contract
+# Lane B (docs/vllm.md): vLLM 0.34.0 and torch 2.14 in their own environment (7.2 GB kept, 8 GB at
+# the peak of its install), the whole Python suite against the stable-ABI library lane A built.
+# Where less than LANE_B_FREE_MB is free, lane A's environment (.venv, which the next `make`
+# rebuilds) is removed first; where even then the install runs out of space, lane B is skipped
+# with the reason, as lane A's vLLM tests are. The static check reads every release's wheel from
+# PyPI, one at a time (about 300 MB each, deleted after); it needs neither torch nor vLLM.
+VLLM_B_ENV    ?= build/vllm-b
+LANE_B_FREE_MB ?= 12000
+.PHONY: test-lane-b test-vllm-b test-vllm-contract
 
+test-lane-b:
+	@free=$$(df -Pm . | awk 'NR == 2 {print $$4}'); \
+	if [ ! -x $(VLLM_B_ENV)/bin/python ] && [ "$$free" -lt $(LANE_B_FREE_MB) ] && [ "$(PYTHON)" = "$(VENV)/bin/python" ]; then \
+	  echo "== lane B: $$free MB free, less than $(LANE_B_FREE_MB): removing lane A's $(VENV) first"; rm -rf $(VENV); fi
+	@echo "== lane B: vLLM 0.34.0, torch 2.14 ($(VLLM_B_ENV))"
+	@scripts/install-vllm.sh $(VLLM_B_ENV)/bin/python requirements-vllm-0.34.txt
+	@if [ -f $(VLLM_B_ENV)/.arfuse-vllm-skipped ]; then echo "== lane B skipped: $$(cat $(VLLM_B_ENV)/.arfuse-vllm-skipped)"; \
+	else ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
+	  $(VLLM_B_ENV)/bin/python -m pytest -q -ra tests; fi
+
+# tests/vllm alone in lane B.
 test-vllm-b:
 	@scripts/install-vllm.sh $(VLLM_B_ENV)/bin/python requirements-vllm-0.34.txt
 	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \

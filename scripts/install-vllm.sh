@@ -74,16 +74,33 @@ trap 'rm -f "$list" "$log"' EXIT
 pattern="^($(echo $SKIPPED | sed 's/ /|/g'))=="
 grep -v -E '^\s*(#|$)' "$lock" | grep -v -i -E "$pattern" >"$list"
 
-if ! "$python" -m pip install -q --no-cache-dir --no-deps -r "$list" 2>"$log"; then
-  cat "$log" >&2
-  if grep -q -E 'No space left on device|Errno 28' "$log"; then
-    "$python" -m pip uninstall -q -y vllm >/dev/null 2>&1 || true
-    free=$(df -Pm "$prefix" | awk 'NR == 2 {print $4}')
-    echo "vLLM $version not installed: no space left on device (${free} MB free on $prefix's file system after the attempt; the install needs about 2.5 GB, 6 GB with torch)" >"$skipped_note"
-    echo "install-vllm: $(cat "$skipped_note"); tests/vllm will be skipped" >&2
-    exit 0
+# The large wheels (torch, triton, CUDA libraries: about 3.4 GB downloaded) one at a time, then the
+# rest in one call: pip holds every wheel of a call on disk until it has installed them all, so
+# one call for the whole lock peaked about 3 GB above what the environment keeps.
+big=$(grep -E '^(nvidia-|torch==|triton==)' "$list" || true)
+rest=$(mktemp); trap 'rm -f "$list" "$log" "$rest"' EXIT
+grep -v -E '^(nvidia-|torch==|triton==)' "$list" >"$rest" || true
+n=$(echo "$big" | grep -c . || true)
+echo "install-vllm: vLLM $version + torch $torch_pin ($lock): $n large packages one by one, then $(grep -c . "$rest") more" >&2
+install() {
+  if ! "$python" -m pip install -q --no-cache-dir --no-deps "$@" 2>"$log"; then
+    cat "$log" >&2
+    if grep -q -E 'No space left on device|Errno 28' "$log"; then
+      "$python" -m pip uninstall -q -y vllm >/dev/null 2>&1 || true
+      free=$(df -Pm "$prefix" | awk 'NR == 2 {print $4}')
+      echo "vLLM $version not installed: no space left on device (${free} MB free on $prefix's file system after the attempt; the install needs about 2.5 GB, 8 GB with torch)" >"$skipped_note"
+      echo "install-vllm: $(cat "$skipped_note"); tests/vllm will be skipped" >&2
+      exit 0
+    fi
+    exit 1
   fi
-  exit 1
-fi
+}
+i=0
+for req in $big; do
+  i=$((i + 1)); echo "install-vllm: [$i/$n] $req" >&2
+  install "$req"
+done
+echo "install-vllm: the other packages" >&2
+install -r "$rest"
 echo "$want" >"$stamp"
 "$python" -c 'import importlib.metadata as m; print("install-vllm: vllm", m.version("vllm"), "torch", m.version("torch"), "numpy", m.version("numpy"))'
