@@ -12,13 +12,14 @@ the one-rank gloo group, i.e. the identity) so that the original graph runs too.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import socket
 import sys
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The arfuse communicators' capacity in the tests, and vLLM's max_num_batched_tokens where the
+# test sets it (the compile range is then [1, MAX_TOKENS]).
+MAX_TOKENS = 64
+
 
 _NO_VLLM = "vLLM is not installed (scripts/install-vllm.sh installs the pinned release)"
 
@@ -173,48 +179,6 @@ QWEN3_MOE = ModelSpec(
     top_k=2,
 )
 
-DEEPSEEK_V2 = ModelSpec(
-    name="deepseek-v2",
-    config={
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v2",
-        "hidden_size": 5120,
-        "intermediate_size": 12288,
-        "moe_intermediate_size": 1536,
-        "num_attention_heads": 128,
-        "num_key_value_heads": 128,
-        "q_lora_rank": 1536,
-        "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128,
-        "qk_rope_head_dim": 64,
-        "v_head_dim": 128,
-        "num_hidden_layers": 2,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
-        "n_routed_experts": 8,
-        "n_shared_experts": 2,
-        "num_experts_per_tok": 2,
-        "routed_scaling_factor": 16.0,
-        "topk_method": "greedy",
-        "norm_topk_prob": False,
-        "scoring_func": "softmax",
-        "vocab_size": 1024,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    },
-    hidden=5120,
-    eps=1e-6,
-    routed_scaling=16.0,
-    shared_experts=True,
-    n_experts=8,
-    top_k=2,
-)
-
-
 def zoo_spec(hidden: int = 256) -> ModelSpec:
     """A small model for the every-pattern graphs (the pass only reads hidden size and dtype)."""
     cfg = dict(QWEN3_MOE.config, hidden_size=hidden)
@@ -243,11 +207,19 @@ def vllm_config(
     dtype: torch.dtype,
     *,
     passes: dict[str, Any] | None = None,
+    max_num_batched_tokens: int | None = None,
     **compilation: Any,
 ) -> Any:
     """vLLM's config for `spec` on the CPU; `passes` sets PassConfig fields, `compilation`
-    CompilationConfig fields."""
-    from vllm.config import CompilationConfig, DeviceConfig, ModelConfig, VllmConfig
+    CompilationConfig fields, `max_num_batched_tokens` the scheduler's (and so the end of vLLM's
+    compile range)."""
+    from vllm.config import (
+        CompilationConfig,
+        DeviceConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
     from vllm.config.compilation import PassConfig
 
     model_config = ModelConfig(
@@ -255,8 +227,17 @@ def vllm_config(
         dtype=str(dtype).removeprefix("torch."),
         skip_tokenizer_init=True,
     )
+    extra = {}
+    if max_num_batched_tokens is not None:
+        extra["scheduler_config"] = SchedulerConfig.default_factory(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=min(max_num_batched_tokens, 128),
+            max_model_len=model_config.max_model_len,
+            is_encoder_decoder=False,
+        )
     return VllmConfig(
         model_config=model_config,
+        **extra,
         device_config=DeviceConfig(device="cpu"),
         compilation_config=CompilationConfig(
             pass_config=PassConfig(eliminate_noops=True, **(passes or {})), **compilation
@@ -513,6 +494,93 @@ class Compiled:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+class PassRecord:
+    """What pass_added_by_plugin saw: the pass managers vLLM configured, the arfuse passes put
+    into them, and the graph before and after the arfuse pass for every graph it ran on (one per
+    piece of vLLM's split graph and compile range)."""
+
+    def __init__(self) -> None:
+        self.managers: list[Any] = []
+        self.passes: list[Any] = []
+        self._before = GraphRecorder()
+        self._after = GraphRecorder()
+
+    @property
+    def graphs(self) -> list[tuple[torch.fx.Graph, torch.fx.Graph]]:
+        assert len(self._before.graphs) == len(self._after.graphs)
+        return list(zip(self._before.graphs, self._after.graphs))
+
+
+@contextlib.contextmanager
+def pass_added_by_plugin(fusion_pass: Any = None, *, append: bool = False) -> Iterator[PassRecord]:
+    """While active, every PostGradPassManager vLLM configures gets the arfuse pass right after
+    vLLM's own configure, where the plugin's hook (arfuse.vllm.plugin, hook.configure) adds it:
+
+    * fusion_pass None: the plugin's hook body itself, plugin.configure_pass_manager (build_pass:
+      ArfuseAllReduceFusionPass(config) in a GuardedPass, then add_pass). It asks
+      plugin.get_communicator for the communicator; tests redirect that to a CPU one
+      (redirect_plugin_to);
+    * a pass: put in by the plugin's add_pass, or with append by vLLM's own
+      PostGradPassManager.add (after vLLM's passes, as VllmBackend.configure_post_pass adds the
+      post_grad_custom_post_pass slot's object).
+
+    Around the arfuse pass, test instrumentation copies the graph before and after it."""
+    from vllm.compilation.passes.pass_manager import PostGradPassManager
+
+    from arfuse.vllm import plugin
+
+    record = PassRecord()
+    original = PostGradPassManager.configure
+
+    def configure(self: Any, config: Any) -> None:
+        original(self, config)
+        if fusion_pass is None:
+            added = plugin.configure_pass_manager(self, config)
+            assert added is not None, "the plugin added no arfuse pass"
+        else:
+            added = fusion_pass
+            if append:
+                self.add(fusion_pass)
+            else:
+                plugin.add_pass(self, fusion_pass)
+        i = self.passes.index(added)
+        self.passes[i : i + 1] = [record._before, added, record._after]
+        if not hasattr(torch.ops._C, "rotary_embedding"):
+            self.fix_functionalization = _CudaOnlyStep(self.fix_functionalization)
+        record.managers.append(self)
+        record.passes.append(added)
+
+    PostGradPassManager.configure = configure
+    try:
+        yield record
+    finally:
+        PostGradPassManager.configure = original
+
+
+@contextlib.contextmanager
+def redirect_plugin_to(communicator: Any) -> Iterator[None]:
+    """The plugin's pass gets `communicator` (arfuse's world-size-1 CPU communicator) from
+    plugin.get_communicator, and the pass compares it with that world size instead of vLLM's
+    tensor-parallel size (which the tests force to 2 so that vLLM emits its all-reduce; no
+    communicator of 2 ranks exists in one CPU process)."""
+    from unittest import mock
+
+    from arfuse.vllm import fusion, plugin
+
+    world = int(communicator.world_size)
+    with mock.patch.object(plugin, "get_communicator", lambda config, create=True: communicator), \
+            mock.patch.object(fusion, "get_tensor_model_parallel_world_size", lambda: world):
+        yield
+
+
+# How compile_with_pass_manager traces: "vllm" as vLLM's TorchCompileWithNoGuardsWrapper and
+# @support_torch_compile do (torch.compile(dynamic=False) with the token dimension, dim 0 of
+# every input, marked by torch._dynamo.mark_dynamic: T is a symbol, Python scalars such as a
+# routed scaling factor stay constants); "dynamic": torch.compile(dynamic=True) (everything
+# dynamic, Python floats included); "static": dynamic=False without marks (T fixed).
+TRACE_MODES = ("vllm", "dynamic", "static")
+
+
 def compile_with_pass_manager(
     module: torch.nn.Module,
     args: Sequence[torch.Tensor],
@@ -520,13 +588,15 @@ def compile_with_pass_manager(
     fusion_pass: Any,
     *,
     compile_range: tuple[int, int],
-    dynamic: bool = False,
+    mode: str = "vllm",
     append: bool = False,
 ) -> Compiled:
     """torch.compile `module` with Inductor and vLLM's PostGradPassManager (configured from
-    `config`, the arfuse pass added by the plugin's own add_pass), as vLLM's backend sets them up:
+    `config`, the arfuse pass added as pass_added_by_plugin says), as vLLM's backend sets them up:
     the IR functionalization pass pre-grad, the pass manager post-grad, inside vLLM's pass
-    context for `compile_range`. Returns the output of one call and the graph around the pass.
+    context for `compile_range`; traced as `mode` says (TRACE_MODES). Returns the output of one
+    call and the graph around the pass. (The tests on vLLM's model classes compile through
+    vLLM's own decorator and VllmBackend instead: decoder_models.)
     append: the pass goes in with vLLM's own PostGradPassManager.add (after vLLM's passes), as
     VllmBackend.configure_post_pass adds the post_grad_custom_post_pass slot's object."""
     from torch._inductor.compile_fx import compile_fx
@@ -540,23 +610,15 @@ def compile_with_pass_manager(
     from vllm.env_override import _apply_constrain_to_fx_strides_patch
     from vllm.forward_context import set_forward_context
 
-    from arfuse.vllm import plugin
-
+    if mode not in TRACE_MODES:
+        raise ValueError(f"mode={mode!r}: want one of {TRACE_MODES}")
     # vLLM's Inductor adaptor applies this before each compile (opaque LayerName arguments of
     # the moe_forward ops; pytorch/pytorch#175973).
     _apply_constrain_to_fx_strides_patch()
-    pm = PostGradPassManager()
-    with set_current_vllm_config(config):
+    with pass_added_by_plugin(fusion_pass, append=append) as record, \
+            set_current_vllm_config(config):
+        pm = PostGradPassManager()
         pm.configure(config)
-    if append:
-        pm.add(fusion_pass)
-    else:
-        plugin.add_pass(pm, fusion_pass)
-    before, after = GraphRecorder(), GraphRecorder()
-    i = pm.passes.index(fusion_pass)
-    pm.passes[i : i + 1] = [before, fusion_pass, after]
-    if not hasattr(torch.ops._C, "rotary_embedding"):
-        pm.fix_functionalization = _CudaOnlyStep(pm.fix_functionalization)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         patches = {
@@ -575,15 +637,16 @@ def compile_with_pass_manager(
             return compile_fx(gm, example_inputs, config_patches=patches)
 
     torch._dynamo.reset()
-    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=dynamic)
+    compiled = torch.compile(module, backend=backend, fullgraph=True, dynamic=mode == "dynamic")
     args = [a.clone() for a in args]
-    if dynamic:
+    if mode == "vllm":
         for a in args:
             torch._dynamo.mark_dynamic(a, 0)
     with set_current_vllm_config(config), set_forward_context(None, config), torch.no_grad():
         output = compiled(*args)
-    assert before.graphs and after.graphs, "vLLM's pass manager never reached the arfuse pass"
-    return Compiled(output, before.graphs[-1], after.graphs[-1], pm)
+    assert record.graphs, "vLLM's pass manager never reached the arfuse pass"
+    before, after = record.graphs[-1]
+    return Compiled(output, before, after, pm)
 
 
 def run_eager(module: torch.nn.Module, args: Sequence[torch.Tensor], config: Any) -> Any:

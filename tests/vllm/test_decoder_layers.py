@@ -1,0 +1,173 @@
+"""The arfuse pass on vLLM's real MoE decoder classes, compiled the way vLLM compiles them.
+
+Qwen3MoeDecoderLayer, DeepseekV2DecoderLayer (DeepSeek-V3 config: MLA, sigmoid grouped routing,
+one shared expert, routed scaling 2.5, first layer dense), MixtralDecoderLayer and gpt-oss's
+TransformerBlock, inside their vLLM model classes, built small on the CPU as rank 0 of TP=2 and
+compiled through vLLM's @support_torch_compile / VllmBackend with the arfuse pass added to vLLM's
+PostGradPassManager (decoder_models says how, and what differs from a GPU deployment).
+
+Each test checks which chains the pass replaced (kind, outputs used, and which ops produced the
+operands), what is left of the all-reduces, norms and MoE tail arithmetic, and that the fused
+model computes what the uncompiled, unfused model does, element by element, for three token
+counts run through the one compiled graph."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+import vllm_harness as H
+
+H.require_vllm()
+H.require_arfuse()
+
+import decoder_models as D  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
+
+from arfuse.vllm.fusion import ArfuseAllReduceFusionPass  # noqa: E402
+
+AR = "vllm::all_reduce"
+RMS = "vllm_ir::rms_norm"
+ADD_RMS = "vllm_ir::fused_add_rms_norm"
+FUSED = "arfuse::fused"
+# Token counts run through the one compiled graph (vLLM's compile range is [1, MAX_TOKENS]):
+# the first call compiles, the others reuse it (a prefill-sized batch, an odd one, one token).
+TOKENS = (24, 7, 1)
+
+# |fused - unfused| <= atol + rtol * |unfused| for every element. bf16 / fp16: a few units in
+# the last place of outputs of unit RMS (arfuse adds and normalizes in float32, vLLM rounds to the
+# model dtype in between; vLLM's own compiled graph differs from its eager run by as much);
+# float32: rounding only.
+TOLERANCES = {
+    torch.bfloat16: (2**-6, 2**-5),
+    torch.float16: (2**-8, 2**-7),
+    torch.float32: (1e-5, 1e-5),
+}
+
+
+@pytest.fixture
+def seed():
+    """A fresh seed each run (weights and inputs); ARFUSE_TEST_SEED=<n> repeats a run."""
+    value = int(os.environ.get("ARFUSE_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"seed {value} (ARFUSE_TEST_SEED={value} repeats this run)")
+    return value
+
+
+def build_with_pass(root, comms, case, dtype, seed):
+    built = D.build(root, case, dtype, seed)
+    with set_current_vllm_config(built.config):
+        fusion = ArfuseAllReduceFusionPass(built.config, comms(D.spec_for(case, dtype), dtype))
+    assert not fusion.disabled, fusion.reason
+    return built, fusion
+
+
+def ops(graph) -> Counter:
+    return Counter(H.op_name(n) or str(n.target) for n in graph.nodes if n.op == "call_function")
+
+
+def total(graphs, name) -> int:
+    return sum(H.count(g, name) for g in graphs)
+
+
+def expected_chains(case: D.ModelCase, dtype: torch.dtype) -> list[tuple]:
+    """The chains of the case's graph (over all its pieces), as D.fused_chains names them.
+
+    Every model: the embedding's all-reduce -> layer 0's input_layernorm (rms_norm, first layer),
+    each layer's o_proj all-reduce -> post_attention_layernorm, each layer's MLP / MoE output ->
+    the next layer's input_layernorm, the last one -> the final norm (residual output unused)."""
+    eps = case.eps
+    first = ("first_layer", "both", ("aten::where",), eps, 0.0)  # masked vocab-parallel lookup
+    o_proj = "aten::addmm" if case is D.GPT_OSS else "aten::mm"  # gpt-oss's o_proj has a bias
+    attn = [("plain", "both", (o_proj,), eps, 0.0)] * case.layers
+    if case is D.DEEPSEEK_V3:
+        dense = [("plain", "both", ("aten::mm",), eps, 0.0)]  # layer 0's DeepseekV2MLP
+        shared = ("moe_forward_shared[1]", "moe_forward_shared[0]")
+        moe = [("scaled_shared", "both", shared, eps, 0.0),
+               ("scaled_shared", "first", shared, eps, 0.0)]
+        return sorted([first, *attn, *dense, *moe], key=str)
+    moe = [("plain", "both", ("moe_forward[0]",), eps, 0.0),
+           ("plain", "first", ("moe_forward[0]",), eps, 0.0)]
+    return sorted([first, *attn, *moe], key=str)
+
+
+def assert_symbolic_single_compile(built, run) -> None:
+    """One VllmBackend compilation for all token counts: one pass manager, one graph per piece
+    of the split graph (the layers' attention ops split it), each with the token count a
+    symbol."""
+    assert len(run.record.managers) == 1
+    assert len(run.graphs) == built.case.layers + 1, "one graph per piece, one compile range"
+    for before, _ in run.graphs:
+        dims = [d for n in before.nodes if n.op == "placeholder"
+                and isinstance(n.meta.get("val"), torch.Tensor) for d in n.meta["val"].shape]
+        assert any(isinstance(d, torch.SymInt) for d in dims), "the token count is not symbolic"
+
+
+def assert_only_replaced(run, removed: Counter) -> None:
+    """Apart from the all-reduces and norms the pass replaced, no op of any piece changed but
+    the MoE-tail arithmetic it folded in, `removed` in all."""
+    folded = Counter()
+    for before, after in run.graphs:
+        b, a = ops(before), ops(after)
+        # (aten::full and sym_size: the first layer's zero residual, made for the token count)
+        for name in (AR, RMS, ADD_RMS, FUSED, "aten::full", "aten::sym_size",
+                     "<built-in function getitem>"):
+            b.pop(name, None)
+            a.pop(name, None)
+        assert not a - b, f"ops added: {a - b}"
+        folded += b - a
+    assert folded == removed, f"ops removed: {folded}, expected {removed}"
+
+
+def assert_same_outputs(got, want, dtype) -> None:
+    """Every element of every output within TOLERANCES[dtype] of the unfused model's."""
+    rtol, atol = TOLERANCES[dtype]
+    for tokens, g, w in zip(TOKENS, got, want):
+        assert g.shape == w.shape == (tokens, w.shape[-1]) and g.dtype == w.dtype == dtype
+        assert torch.isfinite(w).all() and w.abs().amax() > 0
+        diff = (g.float() - w.float()).abs()
+        bound = atol + rtol * w.float().abs()
+        worst = (diff / bound).max().item()
+        rel = (diff.norm() / w.float().norm()).item()
+        print(f"T={tokens}: max |fused - unfused| {diff.max().item():.3g}, relative (norm) "
+              f"{rel:.3g}, worst element at {worst:.2f} of the tolerance")
+        bad = diff > bound
+        assert not bad.any(), (
+            f"T={tokens}: {int(bad.sum())} of {bad.numel()} elements beyond rtol={rtol} "
+            f"atol={atol} (max difference {diff.max().item():.3g})"
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", D.CASES, ids=lambda c: c.name)
+def test_real_decoder_layers(root, comms, case, dtype, seed):
+    built, fusion = build_with_pass(root, comms, case, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    arg_sets = [D.inputs(built, t, g) for t in TOKENS]
+    want = [D.run_eager(built, a) for a in arg_sets]
+
+    run = D.compile_and_run(built, fusion, arg_sets)
+    assert_symbolic_single_compile(built, run)
+    befores = [b for b, _ in run.graphs]
+    afters = [a for _, a in run.graphs]
+
+    # What vLLM put in the graph: one all-reduce per chain, each before a norm.
+    chains = expected_chains(case, dtype)
+    assert total(befores, AR) == len(chains)
+    assert total(befores, RMS) == 1 + case.norms_left
+    assert total(befores, ADD_RMS) == len(chains) - 1
+    # What the pass made of it.
+    got = sorted((c for a in afters for c in D.fused_chains(a, case.routed_scaling)), key=str)
+    assert got == chains
+    assert (total(afters, AR), total(afters, ADD_RMS)) == (0, 0)
+    assert total(afters, RMS) == case.norms_left  # q/k or MLA latent norms: no all-reduce
+    assert total(afters, FUSED) == len(chains)
+    moe_layers = case.layers - (1 if case is D.DEEPSEEK_V3 else 0)
+    removed = Counter()
+    if case.routed_scaling != 1.0:  # `routed * rsf` and `shared + routed` of each MoE layer
+        removed = Counter({"aten::mul": moe_layers, "aten::add": moe_layers})
+    assert_only_replaced(run, removed)
+
+    assert_same_outputs(run.outputs, want, dtype)
