@@ -132,7 +132,9 @@ class StubMLAAttention(torch.nn.Module):
         # Not registered as a submodule: it is the attention module's kv_b_proj already.
         self._kv_b_proj = [kv_b_proj]
 
-    def forward(self, q, kv_c_normed, k_pe, output_shape=None):
+    def forward(self, q, kv_c_normed, k_pe, output_shape=None, q_dcp_replicated=None):
+        # q_dcp_replicated (vLLM 0.34): set only with decode context parallelism, off here.
+        assert q_dcp_replicated is None
         return torch.ops.arfuse_test.mla_attention(
             q, kv_c_normed, k_pe, self._kv_b_proj[0].weight, self.nope_dim, self.v_dim,
             self.scale,
@@ -368,12 +370,103 @@ def tensor_parallel(world_size: int = 2) -> Iterator[None]:
         tp.world_size, tp.use_custom_op_call = saved
 
 
+class _ReportsCpu:
+    """vLLM's current platform, except that is_cpu() is true (for vLLM's MoE router factory,
+    which picks its CPU router by asking)."""
+
+    def __init__(self, platform: Any) -> None:
+        self._platform = platform
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._platform, name)
+
+
+_CPU_MOE_SCHEMAS = {
+    # The arguments vllm._cpu_ops.cpu_prepack_moe_weight and cpu_fused_moe (vLLM 0.34) pass to
+    # the kernels of vLLM's CPU build, in their order.
+    "prepack_moe_weight": "prepack_moe_weight(Tensor weight, Tensor(a!) output, str isa) -> ()",
+    "cpu_fused_moe": (
+        "cpu_fused_moe(Tensor(a!) output, Tensor input, Tensor w13, Tensor w2, Tensor? w13_bias, "
+        "Tensor? w2_bias, Tensor topk_weights, Tensor topk_ids, bool skip_weighted, str act, "
+        "str isa) -> ()"
+    ),
+}
+_cpu_moe_lib: Any = None
+
+
+def _swigluoai(h: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """vLLM's SwigluOAIAndMul.forward_native: gate and up interleaved."""
+    gate, up = h[..., ::2].clamp(max=limit), h[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def _silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def cpu_moe_kernels() -> None:
+    """PyTorch stand-ins for the two kernels of vLLM's CPU MoE experts (vLLM 0.34:
+    experts/cpu_moe.py CPUUnquantizedExperts) that only vLLM's CPU build has:
+    _C.prepack_moe_weight (here a plain copy: the stand-in reads the weights unpacked) and
+    _C.cpu_fused_moe (per expert: w13 GEMM, activation, w2 GEMM, times the token's router weight,
+    summed over its top-k). Defined once per process, only where missing."""
+    global _cpu_moe_lib
+    missing = [n for n in _CPU_MOE_SCHEMAS if not hasattr(torch.ops._C, n)]
+    if not missing:
+        return
+
+    def prepack(weight, output, isa):
+        output.copy_(weight)
+
+    def fused_moe(output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids,
+                  skip_weighted, act, isa):
+        acts = {"silu": _silu_and_mul, "swigluoai": _swigluoai}
+        x = input.float()
+        acc = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32)
+        for e in topk_ids.unique().tolist():
+            tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+            h = x[tok] @ w13[e].float().t()
+            if w13_bias is not None:
+                h = h + w13_bias[e].float()
+            y = acts[act](h) @ w2[e].float().t()
+            if w2_bias is not None:
+                y = y + w2_bias[e].float()
+            if not skip_weighted:
+                y = y * topk_weights[tok, slot, None].float()
+            acc.index_add_(0, tok, y)
+        output.copy_(acc.to(output.dtype))
+
+    lib = torch.library.Library("_C", "FRAGMENT")
+    impls = {"prepack_moe_weight": prepack, "cpu_fused_moe": fused_moe}
+    for name in missing:
+        lib.define(_CPU_MOE_SCHEMAS[name])
+        lib.impl(name, impls[name], "CompositeExplicitAutograd")
+    _cpu_moe_lib = lib
+
+
 @contextlib.contextmanager
 def cpu_build() -> Iterator[None]:
     """While vLLM builds a model: the attention stand-ins in place of vLLM's attention layers,
-    and vLLM's CPU MoE backend for unquantized experts."""
+    and vLLM's CPU MoE backend (UnquantizedMoeBackend.CPU) for the unquantized experts, which the
+    GPU platform would not pick:
+
+    * vLLM 0.26: the backend is monolithic PyTorch (cpu_fused_moe.CPUFusedMOE: its own routing,
+      per-expert F.linear): selecting it is all.
+    * vLLM 0.34: the modular CPUUnquantizedExperts, routed by CPURouter (PyTorch), whose GEMM
+      kernels exist only in vLLM's CPU build: cpu_moe_kernels() stands in for them, and vLLM's
+      router factory is told the platform is a CPU so that it builds the CPURouter."""
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as um
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    try:
+        cpu_moe = importlib.import_module("vllm.model_executor.layers.fused_moe.experts.cpu_moe")
+        experts_cls = cpu_moe.CPUUnquantizedExperts
+    except (ImportError, AttributeError):
+        experts_cls = None  # the monolithic CPU backend (vLLM 0.26)
 
     with contextlib.ExitStack() as stack:
         for name in ("qwen3_moe", "deepseek_v2", "mixtral", "gpt_oss"):
@@ -381,10 +474,18 @@ def cpu_build() -> Iterator[None]:
             stack.enter_context(mock.patch.object(module, "Attention", StubAttention))
         mla = importlib.import_module("vllm.model_executor.layers.mla")
         stack.enter_context(mock.patch.object(mla, "MLAAttention", StubMLAAttention))
+        choice = (UnquantizedMoeBackend.CPU, experts_cls)
         stack.enter_context(mock.patch.object(
-            um, "select_unquantized_moe_backend",
-            lambda moe_config: (UnquantizedMoeBackend.CPU, None),
+            um, "select_unquantized_moe_backend", lambda moe_config: choice
         ))
+        if experts_cls is not None:
+            cpu_moe_kernels()
+            factory = importlib.import_module(
+                "vllm.model_executor.layers.fused_moe.router.router_factory"
+            )
+            stack.enter_context(mock.patch.object(
+                factory, "current_platform", _ReportsCpu(factory.current_platform)
+            ))
         yield
 
 
@@ -475,6 +576,18 @@ def init_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
             p.copy_(v.to(p.dtype))
 
 
+def _ensure_workspace() -> None:
+    """vLLM's MoE modular kernels take their scratch from the worker's workspace manager, which
+    vLLM's GPU worker initializes (gpu_worker.py: init_workspace_manager); here on the CPU. The
+    0.26 CPU MoE backend is monolithic and uses none."""
+    try:
+        from vllm.v1.worker import workspace
+    except ImportError:
+        return
+    if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(torch.device("cpu"))
+
+
 @dataclasses.dataclass
 class Built:
     case: ModelCase
@@ -505,6 +618,7 @@ def build(root: Path, case: ModelCase, dtype: torch.dtype, seed: int) -> Built:
     )
     init_weights(model, torch.Generator().manual_seed(seed))
     process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    _ensure_workspace()
     vocab = case.config["vocab_size"] // 2
     return Built(case, config, model.requires_grad_(False), dtype, vocab)
 
