@@ -13,6 +13,7 @@ counts run through the one compiled graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 
@@ -121,10 +122,11 @@ def assert_only_replaced(run, removed: Counter) -> None:
     assert folded == removed, f"ops removed: {folded}, expected {removed}"
 
 
-def assert_same_outputs(got, want, dtype) -> None:
+def assert_same_outputs(got, want, dtype, tokens=TOKENS) -> None:
     """Every element of every output within TOLERANCES[dtype] of the unfused model's."""
     rtol, atol = TOLERANCES[dtype]
-    for tokens, g, w in zip(TOKENS, got, want):
+    assert len(got) == len(want) == len(tokens)
+    for tokens, g, w in zip(tokens, got, want):
         assert g.shape == w.shape == (tokens, w.shape[-1]) and g.dtype == w.dtype == dtype
         assert torch.isfinite(w).all() and w.abs().amax() > 0
         diff = (g.float() - w.float()).abs()
@@ -140,8 +142,18 @@ def assert_same_outputs(got, want, dtype) -> None:
         )
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("case", D.CASES, ids=lambda c: c.name)
+# bf16 for every model; float32 (rounding-level agreement) for the two MoE tails the pass treats
+# differently: plain (Qwen3-MoE; Mixtral and gpt-oss have the same graph there) and scaled with
+# shared experts (DeepSeek-V3).
+CASE_DTYPES = [(c, torch.bfloat16) for c in D.CASES] + [
+    (D.QWEN3_MOE, torch.float32), (D.DEEPSEEK_V3, torch.float32)
+]
+
+
+@pytest.mark.parametrize(
+    "case,dtype", CASE_DTYPES,
+    ids=[f"{c.name}-{str(d).removeprefix('torch.')}" for c, d in CASE_DTYPES],
+)
 def test_real_decoder_layers(root, comms, case, dtype, seed):
     built, fusion = build_with_pass(root, comms, case, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -171,3 +183,102 @@ def test_real_decoder_layers(root, comms, case, dtype, seed):
     assert_only_replaced(run, removed)
 
     assert_same_outputs(run.outputs, want, dtype)
+
+
+# DeepSeek-V3 with one dense and one MoE layer: the scaled shared-expert tail once.
+DEEPSEEK_V3_2L = dataclasses.replace(
+    D.DEEPSEEK_V3, name="deepseek-v3-2l", config=dict(D.DEEPSEEK_V3.config, num_hidden_layers=2),
+    norms_left=4,
+)
+
+
+def test_deepseek_fp16_overflow_scaling(root, comms, seed):
+    """DeepSeek-V3 in float16: vLLM guards against fp16 overflow by scaling the shared experts'
+    output by 1/rsf instead of the routed output by rsf (MoERunner), and by scaling every
+    attention output and the dense MLP output by 1/rsf between their all-reduce and the next
+    norm (DeepseekV2DecoderLayer.forward). The pass takes the MoE tails in their fp16 form
+    (shared * (1/rsf) + routed) and the first layer; the chains with vLLM's multiply between the
+    all-reduce and the norm match no pattern and stay as they are (the plain all-reduce + norm
+    pattern has nothing in between)."""
+    case, dtype = DEEPSEEK_V3_2L, torch.float16
+    built, fusion = build_with_pass(root, comms, case, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    arg_sets = [D.inputs(built, t, g) for t in TOKENS]
+    want = [D.run_eager(built, a) for a in arg_sets]
+    run = D.compile_and_run(built, fusion, arg_sets)
+    assert_symbolic_single_compile(built, run)
+    afters = [a for _, a in run.graphs]
+
+    shared = ("moe_forward_shared[0]", "moe_forward_shared[1]")  # x = shared, shared_out = routed
+    assert sorted((c for a in afters for c in D.fused_chains(a, case.routed_scaling)), key=str) == [
+        ("first_layer", "both", ("aten::where",), case.eps, 0.0),
+        ("shared_scaled", "first", shared, case.eps, 0.0),
+    ]
+    # Left: the 2 attention and the dense MLP all-reduces, each -> mul(1/rsf) -> the norm.
+    left = [n for a in afters for n in a.nodes if H.op_name(n) == AR]
+    assert len(left) == case.layers + 1
+    for node in left:
+        (mul,) = node.users
+        assert H.op_name(mul) == "aten::mul" and mul.args[1] == pytest.approx(1 / 2.5)
+        assert [H.op_name(u) for u in mul.users] == [ADD_RMS]
+    assert total(afters, ADD_RMS) == case.layers + 1
+    assert_only_replaced(run, Counter({"aten::mul": 1, "aten::add": 1}))
+
+    assert_same_outputs(run.outputs, want, dtype)
+
+
+class _Forward(torch.nn.Module):
+    """The model's forward(input_ids, positions) for torch.compile called directly."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions):
+        return self.model(input_ids, positions, None)
+
+
+def test_trace_mode_decides_the_deepseek_scaled_match(root, comms, seed):
+    """The same DeepSeek-V3 model through the same backend (Inductor with vLLM's pass manager
+    and the arfuse pass: vllm_harness.compile_with_pass_manager), traced two ways:
+
+    * as vLLM traces (dynamic=False, token dimension marked dynamic): routed_scaling_factor
+      stays a Python constant, `shared + routed * 2.5` matches, and the MoE tail is one fused call;
+    * torch.compile(dynamic=True): Dynamo turns the float into a graph input (a tensor), the
+      scaled pattern (whose scale is a constant) does not match, and only the all-reduce + norm
+      after vLLM's own `shared + routed * rsf` is fused (plain).
+
+    (vLLM's VllmBackend cannot trace dynamic=True at all: the float's tensorification restarts
+    Dynamo's analysis, which calls the backend a second time, and VllmBackend compiles once.)"""
+    case, dtype = DEEPSEEK_V3_2L, torch.bfloat16
+    built, fusion = build_with_pass(root, comms, case, dtype, seed)
+    args = list(D.inputs(built, 24, torch.Generator().manual_seed(seed + 1)))
+    want = D.run_eager(built, args)
+    moe = ("moe_forward_shared[1]", "moe_forward_shared[0]")
+    common = [("first_layer", "both", ("aten::where",), case.eps, 0.0)]
+    common += [("plain", "both", ("aten::mm",), case.eps, 0.0)] * 3  # 2 o_proj, dense MLP
+    expected = {
+        "vllm": [("scaled_shared", "first", moe, case.eps, 0.0)],
+        "dynamic": [("plain", "first", ("aten::add",), case.eps, 0.0)],
+    }
+    for mode in ("dynamic", "vllm"):
+        with D.tensor_parallel(2):
+            got = H.compile_with_pass_manager(
+                _Forward(built.model), args, built.config, fusion,
+                compile_range=(1, H.MAX_TOKENS), mode=mode,
+            )
+        chains = D.fused_chains(got.after, case.routed_scaling)
+        assert chains == sorted(common + expected[mode], key=str), mode
+        assert H.count(got.after, AR) == 0
+        # The MoE tail's multiply and add: folded into the call, or left for Inductor.
+        moe_node = next(n for n in got.after.nodes if H.op_name(n) == "vllm::moe_forward_shared")
+        tail = {H.op_name(u) for item in moe_node.users for u in item.users}
+        assert tail == ({FUSED} if mode == "vllm" else {"aten::mul", "aten::add"}), mode
+        if mode == "dynamic":  # the scale is a 0-d tensor input of the graph, not a constant
+            (mul,) = [u for item in moe_node.users for u in item.users
+                      if H.op_name(u) == "aten::mul"]
+            scale = mul.args[1]
+            while isinstance(scale, torch.fx.Node) and scale.op == "call_function":
+                scale = scale.args[0]
+            assert scale.op == "placeholder" and scale.meta["val"].dim() == 0
+        assert_same_outputs([got.output], [want], dtype, tokens=(24,))
