@@ -23,10 +23,15 @@ What differs from a GPU deployment, and why:
   the batch as one sequence (no KV cache, sliding window or sinks), through a custom op that is
   listed in vLLM's splitting_ops, so VllmBackend splits the graph there as it splits at
   vllm::unified_attention_with_output.
-* The experts run vLLM's CPU MoE backend (UnquantizedMoeBackend.CPU: vLLM's PyTorch routing and
-  expert GEMMs, cpu_fused_moe.CPUFusedMOE), selected instead of the GPU kernels this machine cannot
-  run. It runs inside vLLM's opaque moe_forward / moe_forward_shared ops, so the graph around them
-  (MoERunner's routed scale, shared add, all-reduce) is the one a GPU build has.
+* The experts run vLLM's CPU MoE backend (UnquantizedMoeBackend.CPU), selected instead of the
+  GPU kernels this machine cannot run (cpu_build): in vLLM 0.26 vLLM's own PyTorch code
+  (cpu_fused_moe.CPUFusedMOE), in 0.34 vLLM's CPURouter and CPUUnquantizedExperts with PyTorch
+  stand-ins for the two C++ kernels of vLLM's CPU build (cpu_moe_kernels). Either runs inside
+  vLLM's opaque moe_forward / moe_forward_shared ops, so the graph around them (MoERunner's routed
+  scale, shared add, all-reduce) is the one a GPU build has. gpt-oss is built unquantized (bf16
+  experts); its released checkpoints are MXFP4, whose experts are GPU-only.
+* The weights are random with wide routing margins (init_weights), so that both graphs route
+  every token alike in bfloat16 and every output element can be compared.
 * The arfuse pass is constructed by the test, with arfuse's world-size-1 CPU communicator
   (arfuse.comm.cpu_communicator), while the TP group still reports one rank; it is put into
   vLLM's pass list by the plugin's own add_pass from a hook on PostGradPassManager.configure, the
@@ -38,9 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import json
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -514,8 +517,10 @@ def model_config(root: Path, case: ModelCase, dtype: torch.dtype) -> Any:
 
 
 # Routing margins (init_weights): each token's embedding points along the router directions of
-# two experts, ROUTE_SCALE each (the second a little less), above noise of ROUTE_NOISE per element.
+# two experts (ROUTE_SCALE, and 0.8 of it for the second) and against all of them (ROUTE_BASE),
+# above noise of ROUTE_NOISE per element.
 ROUTE_SCALE = 8.0
+ROUTE_BASE = 4.0
 ROUTE_NOISE = 0.5
 # The sublayers' output projections (attention o_proj, dense MLP and expert down projections)
 # are scaled by this, so the residual stream, and with it every layer's routing, stays
@@ -540,13 +545,19 @@ def init_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
     experts are that close then picks another expert in one graph only, and its whole output
     row differs (seen in 2 of 4 models at 24 tokens). So that every element can be compared:
     the router weights of every MoE layer are the same E orthonormal random directions u_e, each
-    token's embedding is ROUTE_SCALE * (u_a + 0.8 u_b) plus N(0, ROUTE_NOISE^2) noise for a random
-    expert pair (a, b), and the sublayers' output projections are scaled by OUTPUT_SCALE: each
-    token's router logits for a and b then exceed the others' by several units in every layer,
-    against rounding differences of a few hundredths.
+    token's embedding is ROUTE_SCALE * (u_a + 0.8 u_b) - ROUTE_BASE * sum_e u_e plus
+    N(0, ROUTE_NOISE^2) noise for a random expert pair (a, b), and the sublayers' output
+    projections are scaled by OUTPUT_SCALE. After the RMS norm each token's router logits are
+    then about +4.7 and +2.8 for a and b and -4.7 +- 0.6 for the others, in every layer (second
+    and third largest at least 4.8 apart in 2 x 96 token-layers measured on Qwen3-MoE and
+    DeepSeek-V3), against rounding differences of a few hundredths. That holds for softmax top-k
+    and for DeepSeek's sigmoid grouped top-k, whose group scores add two experts' scores: the
+    other experts' scores must be near 0, not near 0.5 (with ROUTE_BASE = 0, one DeepSeek-V3 run
+    under vLLM 0.34 had one token's row off by up to 0.35: a routing flip by its shape). Its
+    score correction bias, which shifts the selection, is N(0, 1e-4).
 
     Everything else: norm weights 1 + N(0, 0.01), other matrices N(0, 1 / fan-in), biases (and
-    gpt-oss's sinks, DeepSeek's score correction bias) N(0, 0.01)."""
+    gpt-oss's sinks) N(0, 0.01)."""
     routers = [p for n, p in model.named_parameters() if _is_router(n)]
     assert routers, "no MoE router weights found"
     experts, hidden = routers[0].shape
@@ -558,7 +569,9 @@ def init_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
             leaf = name.rsplit(".", 1)[-1]
             if name.endswith("norm.weight"):
                 v = 1.0 + 0.1 * torch.randn(p.shape, generator=generator)
-            elif p.dim() == 1 or leaf in ("sinks", "e_score_correction_bias"):
+            elif leaf == "e_score_correction_bias":
+                v = 0.01 * torch.randn(p.shape, generator=generator)
+            elif p.dim() == 1 or leaf == "sinks":
                 v = 0.1 * torch.randn(p.shape, generator=generator)
             elif _is_router(name):
                 assert tuple(p.shape) == (experts, hidden), (name, p.shape)
@@ -568,6 +581,7 @@ def init_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
                 a = torch.randint(0, experts, (rows,), generator=generator)
                 b = (a + torch.randint(1, experts, (rows,), generator=generator)) % experts
                 v = ROUTE_SCALE * (directions[a] + 0.8 * directions[b])
+                v = v - ROUTE_BASE * directions.sum(dim=0)
                 v = v + ROUTE_NOISE * torch.randn(p.shape, generator=generator)
             else:
                 v = torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5
