@@ -32,10 +32,10 @@ What differs from a GPU deployment, and why:
   experts); its released checkpoints are MXFP4, whose experts are GPU-only.
 * The weights are random with wide routing margins (init_weights), so that both graphs route
   every token alike in bfloat16 and every output element can be compared.
-* The arfuse pass is constructed by the test, with arfuse's world-size-1 CPU communicator
-  (arfuse.comm.cpu_communicator), while the TP group still reports one rank; it is put into
-  vLLM's pass list by the plugin's own add_pass from a hook on PostGradPassManager.configure, the
-  place the plugin hooks (vllm_harness.pass_added_by_plugin).
+* The arfuse pass is built and put into vLLM's pass list by the plugin's configure hook body
+  (plugin.configure_pass_manager, run right after vLLM's PostGradPassManager.configure:
+  vllm_harness.pass_added_by_plugin), with arfuse's world-size-1 CPU communicator
+  (arfuse.comm.cpu_communicator) in place of the TP group's (vllm_harness.redirect_plugin_to).
 """
 
 from __future__ import annotations
@@ -492,9 +492,10 @@ def cpu_build() -> Iterator[None]:
         yield
 
 
-def model_config(root: Path, case: ModelCase, dtype: torch.dtype) -> Any:
+def model_config(root: Path, case: ModelCase, dtype: torch.dtype, **compilation: Any) -> Any:
     """vLLM's config for the case, compiled as vLLM compiles (VLLM_COMPILE, Inductor, graph split
-    at the attention ops), one compile range [1, MAX_TOKENS], no CUDA graphs."""
+    at the attention ops), one compile range [1, MAX_TOKENS], no CUDA graphs; `compilation`:
+    further CompilationConfig fields."""
     config = H.vllm_config(
         root, spec_for(case, dtype), dtype,
         max_num_batched_tokens=H.MAX_TOKENS,
@@ -503,6 +504,7 @@ def model_config(root: Path, case: ModelCase, dtype: torch.dtype) -> Any:
         # A CUDA-only pass (vLLM imports it only on CUDA platforms) that vLLM turns on for MLA
         # models; it fuses rope + KV-cache writes around the attention op, not what arfuse sees.
         passes={"fuse_rope_kvcache_cat_mla": False},
+        **compilation,
     )
     # What VllmConfig does on platforms with CUDA graphs (_set_cudagraph_sizes), here with none
     # captured: compile_sizes becomes [] (vLLM's piecewise backend then uses the compile ranges).
@@ -611,13 +613,16 @@ class Built:
     vocab_shard: int  # token ids < this embed on rank 0 (the others are rank 1's)
 
 
-def build(root: Path, case: ModelCase, dtype: torch.dtype, seed: int) -> Built:
+def build(
+    root: Path, case: ModelCase, dtype: torch.dtype, seed: int, **compilation: Any
+) -> Built:
     """vLLM's model class for the case, as rank 0 of TP=2, random weights from `seed`, then
-    vLLM's process_weights_after_loading (which sets up the CPU MoE backend)."""
+    vLLM's process_weights_after_loading (which sets up the CPU MoE backend); `compilation`:
+    further CompilationConfig fields."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    config = model_config(root, case, dtype)
+    config = model_config(root, case, dtype, **compilation)
     H.ensure_distributed(config)
     default = torch.get_default_dtype()
     with tensor_parallel(2), cpu_build(), set_current_vllm_config(config):
@@ -668,42 +673,45 @@ class CompiledRun:
     graphs: list[tuple[torch.fx.Graph, torch.fx.Graph]]  # (before, after) the arfuse pass
     record: H.PassRecord
 
-
-TRACES = ("vllm", "dynamic")
+    @property
+    def fusion(self) -> Any:
+        """The arfuse pass put in (the plugin's: a GuardedPass around ArfuseAllReduceFusionPass;
+        or the slot's object)."""
+        (fusion,) = set(self.record.passes)
+        return fusion
 
 
 def compile_and_run(
-    built: Built, fusion: Any, arg_sets: list[tuple[torch.Tensor, ...]], *, trace: str = "vllm"
+    built: Built, communicator: Any, arg_sets: list[tuple[torch.Tensor, ...]],
+    *, slot: Any = None,
 ) -> CompiledRun:
-    """Compiles the model with the arfuse pass in vLLM's pass list and runs it on every input
-    set (one compilation: every token count in [1, MAX_TOKENS] is the same compile range).
-
-    trace "vllm": the model's own @support_torch_compile path (vLLM's TorchCompileWithNoGuards-
-    Wrapper: torch.compile(dynamic=False), input_ids / positions dim 0 marked dynamic by the
-    decorator, VllmBackend). "dynamic": torch.compile(model, dynamic=True) with a VllmBackend of
-    the same config, i.e. the same backend with torch's everything-dynamic tracing."""
-    from vllm.compilation.backends import VllmBackend
+    """Compiles the model as vLLM does and runs it on every input set (one compilation: every
+    token count in [1, MAX_TOKENS] is in the one compile range): the model's own
+    @support_torch_compile path (vLLM's TorchCompileWithNoGuardsWrapper: torch.compile with
+    dynamic=False, input_ids / positions dim 0 marked dynamic by the decorator, VllmBackend),
+    with the arfuse pass built and added by the plugin's configure hook body
+    (vllm_harness.pass_added_by_plugin) for `communicator`; or, with `slot` (the
+    post_grad_custom_post_pass object the config names), only what vLLM's VllmBackend adds
+    itself, the slot, which builds the plugin's pass for `communicator`."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    if trace not in TRACES:
-        raise ValueError(f"trace={trace!r}: want one of {TRACES}")
+    from arfuse.vllm import guard
+
     torch._dynamo.reset()
     model = built.model
     assert not model.do_not_compile, "vLLM would not compile this model"
+    assert guard.active(), guard.disabled_reason()
     outputs = []
-    with H.pass_added_by_plugin(fusion) as record, tensor_parallel(2), \
-            set_current_vllm_config(built.config), \
+    adding = H.pass_added_by_plugin() if slot is None else H.recorded_when_vllm_adds(slot)
+    with H.redirect_plugin_to(communicator), adding as record, \
+            tensor_parallel(2), set_current_vllm_config(built.config), \
             set_forward_context(None, built.config), torch.no_grad():
-        if trace == "vllm":
-            fn = model
-        else:
-            fn = torch.compile(model, backend=VllmBackend(built.config), fullgraph=True,
-                               dynamic=True)
         for args in arg_sets:
-            outputs.append(fn(*[a.clone() for a in args], None))
+            outputs.append(model(*[a.clone() for a in args], None))
     if hasattr(model, "cleanup"):
         model.cleanup()  # the bytecode hook vLLM's wrapper registered for this instance
+    assert guard.active(), f"arfuse's pass failed: {guard.disabled_reason()}"
     assert record.graphs, "vLLM's pass manager never reached the arfuse pass"
     return CompiledRun(outputs, record.graphs, record)
 

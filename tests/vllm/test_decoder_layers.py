@@ -26,9 +26,7 @@ H.require_vllm()
 H.require_arfuse()
 
 import decoder_models as D  # noqa: E402
-from vllm.config import set_current_vllm_config  # noqa: E402
 
-from arfuse.vllm.fusion import ArfuseAllReduceFusionPass  # noqa: E402
 
 AR = "vllm::all_reduce"
 RMS = "vllm_ir::rms_norm"
@@ -57,12 +55,9 @@ def seed():
     return value
 
 
-def build_with_pass(root, comms, case, dtype, seed):
-    built = D.build(root, case, dtype, seed)
-    with set_current_vllm_config(built.config):
-        fusion = ArfuseAllReduceFusionPass(built.config, comms(D.spec_for(case, dtype), dtype))
-    assert not fusion.disabled, fusion.reason
-    return built, fusion
+def build_with_communicator(root, comms, case, dtype, seed):
+    """vLLM's model for the case, and the world-size-1 CPU communicator the plugin's pass gets."""
+    return D.build(root, case, dtype, seed), comms(D.spec_for(case, dtype), dtype)
 
 
 def ops(graph) -> Counter:
@@ -94,7 +89,7 @@ def expected_chains(case: D.ModelCase, dtype: torch.dtype) -> list[tuple]:
     return sorted([first, *attn, *moe], key=str)
 
 
-def assert_symbolic_single_compile(built, run, fusion) -> None:
+def assert_symbolic_single_compile(built, run) -> None:
     """One VllmBackend compilation for all token counts: one pass manager, one graph per piece
     of the split graph (the layers' attention ops split it), each with the token count a
     symbol. In the pass manager the arfuse pass runs after vLLM's NoOpEliminationPass (which
@@ -103,7 +98,9 @@ def assert_symbolic_single_compile(built, run, fusion) -> None:
     assert len(run.record.managers) == 1
     names = [type(p).__name__ for p in run.record.managers[0].passes]
     print("vLLM's post-grad passes:", names)
-    assert names.index("NoOpEliminationPass") < run.record.managers[0].passes.index(fusion)
+    assert names.index("NoOpEliminationPass") < run.record.managers[0].passes.index(run.fusion)
+    assert type(run.fusion).__name__ == "GuardedPass"  # what the plugin puts into vLLM's list
+    assert type(run.fusion.inner).__name__ == "ArfuseAllReduceFusionPass"
     assert len(run.graphs) == built.case.layers + 1, "one graph per piece, one compile range"
     for before, _ in run.graphs:
         dims = [d for n in before.nodes if n.op == "placeholder"
@@ -160,7 +157,7 @@ CASE_DTYPES = [(c, torch.bfloat16) for c in D.CASES] + [
     ids=[f"{c.name}-{str(d).removeprefix('torch.')}" for c, d in CASE_DTYPES],
 )
 def test_real_decoder_layers(root, comms, case, dtype, seed):
-    built, fusion = build_with_pass(root, comms, case, dtype, seed)
+    built, comm = build_with_communicator(root, comms, case, dtype, seed)
     if case is D.DEEPSEEK_V3:  # the classes vLLM builds for DeepSeek-V3 on a GPU
         layers = list(built.model.layers)
         assert {type(m.self_attn).__name__ for m in layers} == {"DeepseekV2MLAAttention"}
@@ -170,8 +167,8 @@ def test_real_decoder_layers(root, comms, case, dtype, seed):
     arg_sets = [D.inputs(built, t, g) for t in TOKENS]
     want = [D.run_eager(built, a) for a in arg_sets]
 
-    run = D.compile_and_run(built, fusion, arg_sets)
-    assert_symbolic_single_compile(built, run, fusion)
+    run = D.compile_and_run(built, comm, arg_sets)
+    assert_symbolic_single_compile(built, run)
     befores = [b for b, _ in run.graphs]
     afters = [a for _, a in run.graphs]
 
@@ -211,12 +208,12 @@ def test_deepseek_fp16_overflow_scaling(root, comms, seed):
     all-reduce and the norm match no pattern and stay as they are (the plain all-reduce + norm
     pattern has nothing in between)."""
     case, dtype = DEEPSEEK_V3_2L, torch.float16
-    built, fusion = build_with_pass(root, comms, case, dtype, seed)
+    built, comm = build_with_communicator(root, comms, case, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     arg_sets = [D.inputs(built, t, g) for t in TOKENS]
     want = [D.run_eager(built, a) for a in arg_sets]
-    run = D.compile_and_run(built, fusion, arg_sets)
-    assert_symbolic_single_compile(built, run, fusion)
+    run = D.compile_and_run(built, comm, arg_sets)
+    assert_symbolic_single_compile(built, run)
     afters = [a for _, a in run.graphs]
 
     shared = ("moe_forward_shared[0]", "moe_forward_shared[1]")  # x = shared, shared_out = routed
@@ -250,7 +247,7 @@ class _Forward(torch.nn.Module):
 
 def test_trace_mode_decides_the_deepseek_scaled_match(root, comms, seed):
     """The same DeepSeek-V3 model through the same backend (Inductor with vLLM's pass manager
-    and the arfuse pass: vllm_harness.compile_with_pass_manager), traced two ways:
+    and the plugin's arfuse pass: vllm_harness.compile_with_pass_manager), traced two ways:
 
     * as vLLM traces (dynamic=False, token dimension marked dynamic): routed_scaling_factor
       stays a Python constant, `shared + routed * 2.5` matches, and the MoE tail is one fused call;
@@ -261,7 +258,7 @@ def test_trace_mode_decides_the_deepseek_scaled_match(root, comms, seed):
     (vLLM's VllmBackend cannot trace dynamic=True at all: the float's tensorification restarts
     Dynamo's analysis, which calls the backend a second time, and VllmBackend compiles once.)"""
     case, dtype = DEEPSEEK_V3_2L, torch.bfloat16
-    built, fusion = build_with_pass(root, comms, case, dtype, seed)
+    built, comm = build_with_communicator(root, comms, case, dtype, seed)
     args = list(D.inputs(built, 24, torch.Generator().manual_seed(seed + 1)))
     want = D.run_eager(built, args)
     moe = ("moe_forward_shared[1]", "moe_forward_shared[0]")
@@ -272,9 +269,9 @@ def test_trace_mode_decides_the_deepseek_scaled_match(root, comms, seed):
         "dynamic": [("plain", "first", ("aten::add",), case.eps, 0.0)],
     }
     for mode in ("dynamic", "vllm"):
-        with D.tensor_parallel(2):
+        with D.tensor_parallel(2), H.redirect_plugin_to(comm):
             got = H.compile_with_pass_manager(
-                _Forward(built.model), args, built.config, fusion,
+                _Forward(built.model), args, built.config, None,
                 compile_range=(1, H.MAX_TOKENS), mode=mode,
             )
         chains = D.fused_chains(got.after, case.routed_scaling)

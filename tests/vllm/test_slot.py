@@ -1,13 +1,14 @@
 """The post_grad_custom_post_pass slot (arfuse_vllm_pass.post_grad_pass, arfuse.vllm.slot),
 through vLLM's own code: CompilationConfig resolves the qualified name, VllmBackend's
 configure_post_pass appends the object to vLLM's pass manager, vLLM's cache key changes with it,
-and under Inductor it fuses a DeepSeek-V2-like stack (CPU, world size 1; the TP > 1 gate and
-the communicator lookup are redirected to a world-size-1 CPU communicator, as in
-test_fusion_pass)."""
+and it fuses vLLM's real DeepSeek-V3 decoder layers compiled through vLLM's own backend
+(decoder_models: CPU, rank 0 of TP=2, the communicator lookup redirected to a world-size-1 CPU
+communicator)."""
 
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 
 import torch
@@ -23,7 +24,8 @@ KEY = "post_grad_custom_post_pass"
 MAX_TOKENS = 64
 
 
-def slot_config(root, spec=H.DEEPSEEK_V2, dtype=torch.bfloat16, slot=True):
+def slot_config(root, spec=None, dtype=torch.bfloat16, slot=True):
+    spec = spec or H.zoo_spec()
     config = H.vllm_config(root, spec, dtype, inductor_passes={KEY: SLOT} if slot else {})
     H.ensure_distributed(config)
     return config
@@ -63,50 +65,61 @@ def test_cache_key_names_the_slot(root):
     assert with_slot[1] != without[1]
 
 
-def build(root, dtype=torch.bfloat16):
-    from test_fusion_pass import DeepseekV2Stack, init_
-
-    spec = H.DEEPSEEK_V2
-    config = slot_config(root, spec, dtype)
-    with set_current_vllm_config(config):
-        H.moe_runner(config, "model.layers.1.mlp.experts", spec, dtype, shared=True)
-        module = init_(DeepseekV2Stack(config, spec), dtype)
-    x = torch.randn(7, spec.hidden, generator=torch.Generator().manual_seed(2), dtype=dtype)
-    return config, module, x
-
-
-def compiled(config, module, x):
-    slot = config.compilation_config.inductor_compile_config[KEY]
-    return slot, H.compile_with_pass_manager(module, [x], config, slot,
-                                             compile_range=(1, MAX_TOKENS), append=True)
-
-
-def test_slot_fuses_the_chain(root, comms, monkeypatch):
+def test_slot_fuses_the_chain(root, comms):
+    """vLLM's DeepSeek-V3 classes (one dense, one MoE layer) compiled by vLLM as it compiles
+    them, with the slot in the config: VllmBackend appends it, the slot builds the plugin's pass,
+    and the pass replaces every all-reduce chain, the MoE tail with its routed scale and shared
+    add included; every output element as the unfused model's."""
     H.require_arfuse()
-    from test_fusion_pass import assert_accurate
+    import arfuse_vllm_pass
+    import decoder_models as D
+    from test_decoder_layers import DEEPSEEK_V3_2L, TOLERANCES
 
-    from arfuse.vllm import plugin
-
-    config, module, x = build(root)
-    comm = comms(H.DEEPSEEK_V2, torch.bfloat16)
-    monkeypatch.setattr(plugin, "tensor_parallel_size", lambda: 2)
-    monkeypatch.setattr(plugin, "get_communicator", lambda cfg, create=True: comm)
-    expected = H.run_eager(module, [x], config)
-    slot, got = compiled(config, module, x)
-    eps, rsf = H.DEEPSEEK_V2.eps, H.DEEPSEEK_V2.routed_scaling
-    calls = [(eps, 0.0, 1.0, False, (0, 1))] * 4 + [(eps, 0.0, rsf, True, (0,))]
-    assert H.fused_calls(got.after) == sorted(calls)
-    assert H.count(got.after, "vllm::all_reduce") == 0
-    assert_accurate(module, x, config, got.output, expected)
-    with set_current_vllm_config(config):  # as during the compile: the slot's pass is built
+    case, dtype = DEEPSEEK_V3_2L, torch.bfloat16
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    built = D.build(root, case, dtype, seed, inductor_passes={KEY: SLOT})
+    slot = built.config.compilation_config.inductor_compile_config[KEY]
+    assert slot is arfuse_vllm_pass.post_grad_pass
+    args = D.inputs(built, 24, torch.Generator().manual_seed(seed + 1))
+    expected = D.run_eager(built, args)
+    comm = comms(D.spec_for(case, dtype), dtype)
+    run = D.compile_and_run(built, comm, [args], slot=slot)
+    assert [type(p).__name__ for p in run.record.managers[0].passes][-2:] == [
+        "ArfuseSlotPass", "GraphRecorder"]  # appended after vLLM's passes (and our recorder)
+    afters = [a for _, a in run.graphs]
+    chains = sorted((c for a in afters for c in D.fused_chains(a, case.routed_scaling)), key=str)
+    eps, moe = case.eps, ("moe_forward_shared[1]", "moe_forward_shared[0]")
+    assert chains == sorted([
+        ("first_layer", "both", ("aten::where",), eps, 0.0),
+        *[("plain", "both", ("aten::mm",), eps, 0.0)] * 3,  # 2 o_proj, the dense MLP
+        ("scaled_shared", "first", moe, eps, 0.0),
+    ], key=str)
+    assert sum(H.count(a, "vllm::all_reduce") for a in afters) == 0
+    rtol, atol = TOLERANCES[dtype]
+    torch.testing.assert_close(run.outputs[0], expected, rtol=rtol, atol=atol)
+    with D.tensor_parallel(2), H.redirect_plugin_to(comm), \
+            set_current_vllm_config(built.config):  # as during the compile
         assert slot.inner() is not None
         assert slot.uuid() != slot.off_uuid()
 
 
-def test_slot_at_tp1_leaves_the_graph(root):
+def test_slot_at_tp1_leaves_the_graph(root, comms):
+    """TP=1: the slot builds no pass, and a graph with an all-reduce before a norm stays as it
+    is (vLLM itself emits no all-reduce at TP=1; the chain here calls the op directly)."""
     H.require_arfuse()
-    config, module, x = build(root)
-    slot, got = compiled(config, module, x)
+    from test_fusion_pass import OneChain, init_
+
+    spec = H.zoo_spec()
+    config = slot_config(root, spec)
+    with set_current_vllm_config(config):
+        module = init_(OneChain(spec), torch.bfloat16)
+    slot = config.compilation_config.inductor_compile_config[KEY]
+    g = torch.Generator().manual_seed(3)
+    args = [torch.randn(7, spec.hidden, generator=g).to(torch.bfloat16) for _ in range(2)]
+    got = H.compile_with_pass_manager(module, args, config, slot,
+                                      compile_range=(1, MAX_TOKENS), append=True)
+    assert H.count(got.before, "vllm::all_reduce") == 1
     assert str(got.after) == str(got.before)
     with set_current_vllm_config(config):
         assert slot.inner() is None

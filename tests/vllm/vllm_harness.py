@@ -558,6 +558,35 @@ def pass_added_by_plugin(fusion_pass: Any = None, *, append: bool = False) -> It
 
 
 @contextlib.contextmanager
+def recorded_when_vllm_adds(pass_: Any) -> Iterator[PassRecord]:
+    """While active, when vLLM's own code puts `pass_` into a PostGradPassManager with
+    PostGradPassManager.add (VllmBackend.configure_post_pass does so with the
+    post_grad_custom_post_pass slot's object), test instrumentation copies the graph before and
+    after it."""
+    from vllm.compilation.passes.pass_manager import PostGradPassManager
+
+    record = PassRecord()
+    original = PostGradPassManager.add
+
+    def add(self: Any, added: Any) -> None:
+        original(self, added)
+        if added is not pass_:
+            return
+        i = self.passes.index(added)
+        self.passes[i : i + 1] = [record._before, added, record._after]
+        if not hasattr(torch.ops._C, "rotary_embedding"):
+            self.fix_functionalization = _CudaOnlyStep(self.fix_functionalization)
+        record.managers.append(self)
+        record.passes.append(added)
+
+    PostGradPassManager.add = add
+    try:
+        yield record
+    finally:
+        PostGradPassManager.add = original
+
+
+@contextlib.contextmanager
 def redirect_plugin_to(communicator: Any) -> Iterator[None]:
     """The plugin's pass gets `communicator` (arfuse's world-size-1 CPU communicator) from
     plugin.get_communicator, and the pass compares it with that world size instead of vLLM's
