@@ -541,9 +541,9 @@ def _is_output_projection(name: str) -> bool:
 def init_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
     """Random weights, drawn from `generator`, with routing decided by a wide margin.
 
-    In bfloat16 the fused graph and vLLM's unfused one round differently (arfuse keeps the MoE
-    tail, the residual add and the norm in float32; vLLM rounds to bf16 between them), so a
-    router input can differ by a bf16 step. With plain random weights a token whose top-k
+    In bfloat16 the fused graph and vLLM's unfused one round differently (arfuse adds the
+    residual and normalizes in float32; vLLM's graph rounds to bf16 in between), so a router
+    input can differ by a bf16 step. With plain random weights a token whose top-k
     experts are that close then picks another expert in one graph only, and its whole output
     row differs (seen in 2 of 4 models at 24 tokens). So that every element can be compared:
     the router weights of every MoE layer are the same E orthonormal random directions u_e, each
