@@ -22,7 +22,7 @@ _EXPORTS = {
     "ArfuseAllReduceFusionPass": "fusion",
     "moe_finalize_allreduce_rms_norm": "eager",
     "register": "plugin",
-    "get_communicator": "plugin",
+    "get_communicator": "communicators",
     "post_grad_pass": "slot",
 }
 

@@ -136,7 +136,7 @@ def moe_finalize_allreduce_rms_norm(
     float32 one-element tensor); norm_out is then float8_e4m3fn, what vLLM's static FP8 quant
     (static_fp8_quant) makes of it. Fused, arfuse quantizes the float32 norm directly, without
     rounding it to the activation dtype first: codes may differ from the unfused ones by one
-    e4m3 step (see arfuse.vllm.fusion.fold_static_fp8_quant). Without fp8_scale kernels for the
+    e4m3 step (see arfuse.vllm.fp8_fold.fold_static_fp8_quant). Without fp8_scale kernels for the
     model in arfuse's library the call takes the unfused path.
     """
     from .settings import from_env
@@ -148,7 +148,7 @@ def moe_finalize_allreduce_rms_norm(
     if communicator is None:
         from vllm.config import get_current_vllm_config
 
-        from .plugin import get_communicator
+        from .communicators import get_communicator
 
         try:
             vllm_config = get_current_vllm_config()
@@ -157,7 +157,7 @@ def moe_finalize_allreduce_rms_norm(
         communicator = get_communicator(vllm_config)
     algorithm = algorithm or from_env().algorithm
     if communicator is not None and fp8_scale is not None:
-        from .plugin import fp8_supported
+        from .communicators import fp8_supported
 
         if not fp8_supported(
             communicator.dtype, communicator.hidden, communicator.world_size, algorithm

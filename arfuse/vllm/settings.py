@@ -97,6 +97,6 @@ def source_hash() -> str:
     cache keys). Reads files only, imports nothing."""
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for name in ("fusion.py", "settings.py"):
+    for name in ("fusion.py", "patterns.py", "fp8_fold.py", "settings.py"):
         digest.update((here / name).read_bytes())
     return digest.hexdigest()

@@ -33,6 +33,7 @@ from typing import Any
 
 from vllm.compilation.passes.inductor_pass import InductorPass
 
+from . import communicators as _comms
 from . import guard as _guard
 from . import plugin as _plugin
 
@@ -70,7 +71,7 @@ class ArfuseSlotPass(InductorPass):  # type: ignore[misc]
                        "post_grad_custom_post_pass slot does nothing")
             return None
         try:
-            if not _plugin.model_parallel_ready():
+            if not _comms.model_parallel_ready():
                 return None  # too early (e.g. vLLM hashing its config before the workers start)
             config = self._config()
             if config is None:

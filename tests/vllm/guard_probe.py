@@ -29,7 +29,7 @@ from vllm.compilation.caching import aot_compile_hash_factors  # noqa: E402
 from vllm.compilation.passes.pass_manager import PostGradPassManager  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 
-from arfuse.vllm import fusion, guard, plugin  # noqa: E402
+from arfuse.vllm import communicators, fusion, guard, plugin  # noqa: E402
 
 
 class Lines(logging.Handler):
@@ -82,11 +82,11 @@ def main() -> None:
         out["original_error"] = error_of(original, PostGradPassManager(), None)
         out["hooked_error"] = error_of(hooked, PostGradPassManager(), None)
     elif scenario in ("pass-raises", "communicator-raises"):
-        plugin.tensor_parallel_size = lambda: 2  # the pass is built only for TP > 1
+        communicators.tensor_parallel_size = lambda: 2  # the pass is built only for TP > 1
         if scenario == "pass-raises":
             fusion.ArfuseAllReduceFusionPass.__init__ = boom
         else:
-            plugin.get_communicator = boom
+            communicators.get_communicator = boom
         out["original_passes"] = configured(config, original)
         out["hooked_passes"] = configured(config, hooked)
     elif scenario == "worker-raises":
@@ -102,7 +102,7 @@ def main() -> None:
         w._scoped_allocator_max_split = lambda max_split_size_mb: contextlib.nullcontext()
         w._external_weight_charges = SimpleNamespace(track=contextlib.nullcontext,
                                                      fallback_bytes=0)
-        plugin.get_communicator = boom
+        communicators.get_communicator = boom
         out["result"] = repr(Worker.load_model(w))
         out["model_runner_calls"] = len(calls)
         out["worker_hooked"] = getattr(Worker.load_model, guard.MARK, False)

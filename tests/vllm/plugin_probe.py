@@ -89,7 +89,7 @@ def main() -> None:
     found = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "arfuse"]
     vllm.plugins.load_general_plugins()
     vllm.plugins.load_general_plugins()  # vLLM loads once per process
-    from arfuse.vllm import guard, plugin
+    from arfuse.vllm import communicators, guard, plugin
 
     plugin.register()  # and the plugin itself is re-entrant
 
@@ -103,7 +103,7 @@ def main() -> None:
     if configure is not None:
         with set_current_vllm_config(config):
             pm.configure(config)
-    comm = plugin.get_communicator(config)
+    comm = communicators.get_communicator(config)
 
     print(
         json.dumps(

@@ -126,7 +126,7 @@ def test_forms_of_the_moe_output(env):
 
 def test_tp1_without_communicator_uses_the_fallback(env):
     """In vLLM with tensor parallelism 1 the plugin has no communicator; the call still works."""
-    from arfuse.vllm.plugin import get_communicator
+    from arfuse.vllm.communicators import get_communicator
 
     assert get_communicator(env.config) is None
     dtype = torch.float32
@@ -167,7 +167,7 @@ def test_static_fp8_output(env, gemma, monkeypatch):
     (codes within one e4m3 step: arfuse quantizes the float32 norm, vLLM the bf16-rounded one),
     through arfuse, through the fallback, and through the fallback when arfuse's library has no
     fp8_static kernel for the model."""
-    from arfuse.vllm import plugin
+    from arfuse.vllm import communicators
     from arfuse.vllm.eager import static_fp8_quant
 
     dtype = torch.bfloat16
@@ -187,7 +187,7 @@ def test_static_fp8_output(env, gemma, monkeypatch):
     fused = moe_finalize_allreduce_rms_norm(moe_output, residual, norm, communicator=comm,
                                             fp8_scale=scale)
     fallback = moe_finalize_allreduce_rms_norm(moe_output, residual, norm, fp8_scale=scale)
-    monkeypatch.setattr(plugin, "fp8_supported", lambda *a: False)
+    monkeypatch.setattr(communicators, "fp8_supported", lambda *a: False)
     no_kernel = moe_finalize_allreduce_rms_norm(moe_output, residual, norm, communicator=comm,
                                                 fp8_scale=scale)
     for got in (fused, fallback, no_kernel):

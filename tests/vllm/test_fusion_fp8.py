@@ -29,7 +29,7 @@ from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm  # noqa: 
 from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8  # noqa: E402
 from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape  # noqa: E402
 
-from arfuse.vllm import plugin  # noqa: E402
+from arfuse.vllm import communicators  # noqa: E402
 from arfuse.vllm.fusion import ArfuseAllReduceFusionPass  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -378,7 +378,7 @@ def test_without_fp8_kernels_the_quant_stays(root, comms, monkeypatch):
     with set_current_vllm_config(config):
         module = init_(OneChain(spec, "static"))
         with_fp8 = ArfuseAllReduceFusionPass(config, comm)
-        monkeypatch.setattr(plugin, "fp8_supported", lambda *a: False)
+        monkeypatch.setattr(communicators, "fp8_supported", lambda *a: False)
         no_kernel = ArfuseAllReduceFusionPass(config, comm)
         monkeypatch.undo()
         monkeypatch.setenv("ARFUSE_VLLM_FP8", "0")

@@ -127,11 +127,11 @@ def test_slot_at_tp1_leaves_the_graph(root, comms):
 
 
 def test_slot_steps_aside_for_the_plugin(root, monkeypatch):
-    from arfuse.vllm import plugin
+    from arfuse.vllm import communicators, plugin
 
     config = slot_config(root)
     monkeypatch.setattr(plugin, "_hooked", True)
-    monkeypatch.setattr(plugin, "tensor_parallel_size", lambda: 2)
+    monkeypatch.setattr(communicators, "tensor_parallel_size", lambda: 2)
     slot = config.compilation_config.inductor_compile_config[KEY]
     with set_current_vllm_config(config):
         assert slot.inner() is None

@@ -518,7 +518,7 @@ def pass_added_by_plugin(fusion_pass: Any = None, *, append: bool = False) -> It
 
     * fusion_pass None: the plugin's hook body itself, plugin.configure_pass_manager (build_pass:
       ArfuseAllReduceFusionPass(config) in a GuardedPass, then add_pass). It asks
-      plugin.get_communicator for the communicator; tests redirect that to a CPU one
+      communicators.get_communicator for the communicator; tests redirect that to a CPU one
       (redirect_plugin_to);
     * a pass: put in by the plugin's add_pass, or with append by vLLM's own
       PostGradPassManager.add (after vLLM's passes, as VllmBackend.configure_post_pass adds the
@@ -589,15 +589,15 @@ def recorded_when_vllm_adds(pass_: Any) -> Iterator[PassRecord]:
 @contextlib.contextmanager
 def redirect_plugin_to(communicator: Any) -> Iterator[None]:
     """The plugin's pass gets `communicator` (arfuse's world-size-1 CPU communicator) from
-    plugin.get_communicator, and the pass compares it with that world size instead of vLLM's
+    communicators.get_communicator, and the pass compares it with that world size instead of vLLM's
     tensor-parallel size (which the tests force to 2 so that vLLM emits its all-reduce; no
     communicator of 2 ranks exists in one CPU process)."""
     from unittest import mock
 
-    from arfuse.vllm import fusion, plugin
+    from arfuse.vllm import communicators, fusion
 
     world = int(communicator.world_size)
-    with mock.patch.object(plugin, "get_communicator", lambda config, create=True: communicator), \
+    with mock.patch.object(communicators, "get_communicator", lambda config, create=True: communicator), \
             mock.patch.object(fusion, "get_tensor_model_parallel_world_size", lambda: world):
         yield
 

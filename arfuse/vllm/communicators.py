@@ -1,0 +1,132 @@
+"""The arfuse communicator of vLLM's tensor-parallel group, and what arfuse can serve there.
+
+Shared by the plugin's hooks (arfuse.vllm.plugin), the fusion pass (arfuse.vllm.fusion), the slot
+pass (arfuse.vllm.slot) and the eager call (arfuse.vllm.eager); it imports none of them, so no
+import circle runs through it. One communicator per (tensor-parallel group, hidden size, dtype,
+capacity) per process, created lazily and collectively (every rank asks at the same point).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from . import settings as _settings
+from .guard import logger
+
+_lock = threading.RLock()
+# (tp group name, hidden, dtype, max_tokens, oneshot_max_tokens) -> arfuse.Communicator
+_communicators: dict[tuple[Any, ...], Any] = {}
+
+
+
+
+def model_parallel_ready() -> bool:
+    """Whether vLLM has set its parallel groups up in this process."""
+    from vllm.distributed import parallel_state as ps
+
+    return bool(ps.model_parallel_is_initialized())
+
+
+def tensor_parallel_size() -> int:
+    """vLLM's tensor-parallel world size in this process (1 before vLLM set its groups up)."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1
+    return ps.get_tensor_model_parallel_world_size()
+
+
+def plan(vllm_config: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The communicator this config wants: (registry key, constructor arguments), or None."""
+    if vllm_config is None or vllm_config.model_config is None:
+        return None
+    world = tensor_parallel_size()
+    if world <= 1:
+        return None
+    import arfuse
+    from vllm.distributed.parallel_state import get_tp_group
+
+    s = _settings.from_env()
+    hidden = vllm_config.model_config.get_hidden_size()
+    dtype = vllm_config.model_config.dtype
+    if not arfuse.is_built():
+        logger.warning("arfuse: the compiled library is not available; fusion stays off")
+        return None
+    if not arfuse.supported(dtype, hidden, world):
+        logger.warning(
+            "arfuse: no kernel for dtype=%s hidden=%d world_size=%d; fusion stays off",
+            dtype,
+            hidden,
+            world,
+        )
+        return None
+    max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    if s.max_tokens is not None:
+        max_tokens = min(max_tokens, s.max_tokens)
+    oneshot = s.oneshot_max_tokens
+    if oneshot is not None:
+        oneshot = min(oneshot, max_tokens)
+    tp = get_tp_group()
+    key = (tp.unique_name, hidden, dtype, max_tokens, oneshot)
+    kwargs = dict(
+        group=tp.cpu_group,
+        max_tokens=max_tokens,
+        hidden=hidden,
+        dtype=dtype,
+        oneshot_max_tokens=oneshot,
+        device=tp.device,
+        timeout_s=float(s.timeout_s),
+    )
+    return key, kwargs
+
+
+def fp8_supported(dtype: Any, hidden: int, world_size: int, algorithm: str = "auto") -> bool:
+    """Whether arfuse has a kernel with FP8 output (fp8_static) for (dtype, hidden, world size)
+    and every algorithm that `algorithm` may dispatch to (auto: one-shot and two-shot)."""
+    import arfuse
+
+    algorithms = ("oneshot", "twoshot") if algorithm == "auto" else (algorithm,)
+    try:
+        return all(
+            arfuse.instance_for(dtype, hidden, world_size, a, output="fp8_static")
+            for a in algorithms
+        )
+    except Exception as e:  # no library, or one that does not know the output kind
+        logger.debug("arfuse: fp8_static lookup failed: %s", e)
+        return False
+
+
+def get_communicator(vllm_config: Any, *, create: bool = True) -> Any | None:
+    """The arfuse.Communicator for vLLM's tensor-parallel group and this config's model.
+
+    None when there is nothing to fuse (tensor parallelism 1, no model config) or arfuse does not
+    serve the model's (dtype, hidden, world size). Creating it is collective: every rank of the
+    group must ask at the same point (the hooks do). `create=False` only looks it up.
+    """
+    wanted = plan(vllm_config)
+    if wanted is None:
+        return None
+    key, kwargs = wanted
+    with _lock:
+        comm = _communicators.get(key)
+        if comm is not None and not comm.closed:
+            return comm
+        if not create:
+            return None
+        import arfuse
+
+        group = kwargs.pop("group")
+        comm = arfuse.Communicator(group, **kwargs)
+        _communicators[key] = comm
+        logger.info("arfuse: %r", comm)
+        return comm
+
+
+def close_communicators() -> None:
+    """Closes every communicator this module created (tests; process teardown). Collective, as
+    Communicator.close() is: every rank of the group calls it."""
+    with _lock:
+        for comm in _communicators.values():
+            comm.close()
+        _communicators.clear()
