@@ -17,6 +17,8 @@ Needs (what a missing item costs):
         any member is there (the compile cache key: compute_hash up to 0.33, compile_factors 0.34).
   pass  the fusion pass or the eager call: the pass stays out of vLLM's pass list (one log line).
   slot  the official post_grad_custom_post_pass slot (docs/vllm.md).
+  rows  the MoE finalize handed to arfuse (arfuse.vllm.moe_rows): that switch stays off (one log
+        line); the pass and everything else work as without it.
   tests only the test harness (tests/vllm/vllm_harness.py); not the integration.
   info  reported only (what the eager call accepts from releases that have it).
 """
@@ -34,7 +36,7 @@ SUPPORTED = (
     "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0",
     "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0",
 )  # fmt: skip
-NEEDS_THAT_FAIL = ("hook", "pass", "slot")
+NEEDS_THAT_FAIL = ("hook", "pass", "slot", "rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,10 @@ _IP = "vllm.compilation.passes.inductor_pass"
 _VIP = "vllm.compilation.passes.vllm_inductor_pass"
 _PS = "vllm.distributed.parallel_state"
 _MOE = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
+_FM = "vllm.model_executor.layers.fused_moe"
+_MK = _FM + ".modular_kernel"
+_TM = _FM + ".experts.triton_moe"
+_WS = "vllm.v1.worker.workspace"
 _MOE_PARAMS = (
     "hidden_states", "router_logits", "shared_experts_input", "input_ids", "layer_name",
     "hidden_dim_unpadded",
@@ -174,6 +180,99 @@ ITEMS: tuple[Item, ...] = (
     *(Item(f"eager.moe_output.{f}", "info", "field",
            "vllm.model_executor.layers.fused_moe.moe_output", f"MoEOutput.{f}")
       for f in ("routed", "shared_output", "routed_scaling_factor")),
+    # ---- the MoE finalize handed to arfuse (arfuse.vllm.moe_rows) ---------------------------------
+    Item("rows.runner", "rows", "class", _MOE, "MoERunner"),
+    Item("rows.entry_call", "rows", "code", _MOE, "MoERunner.forward",
+         fragments=("self._forward_entry(",),
+         why="MoERunner.forward calls the op through _forward_entry, which the switch replaces"),
+    Item("rows.entry_set", "rows", "code", _MOE, "MoERunner.__init__",
+         fragments=("self._forward_entry = self._select_forward()",)),
+    Item("rows.forward_impl", "rows", "method", _MOE, "MoERunner._forward_impl",
+         ("self", "hidden_states", "router_logits", "shared_experts_input", "input_ids"),
+         strict=True, why="the rows op runs vLLM's own _forward_impl"),
+    Item("rows.forward_modular_call", "rows", "code", _MOE, "MoERunner._apply_quant_method",
+         fragments=("self.routed_experts.forward_modular(",),
+         why="the one call the rows op redirects (an instance attribute for that call)"),
+    Item("rows.get_layer", "rows", "function", _MOE, "get_layer_from_name", ("layer_name",)),
+    Item("rows.resolve_layer_name", "rows", "function", _MOE, "_resolve_layer_name",
+         ("layer_name",)),
+    Item("rows.layer_name_type", "rows", "attr", _MOE, "_layer_name_type"),
+    Item("rows.register_op", "rows", "function", "vllm.utils.torch_utils",
+         "direct_register_custom_op",
+         ("op_name", "op_func", "mutates_args", "fake_impl", "target_lib", "dispatch_key", "tags")),
+    Item("rows.resize_cache", "rows", "function", _FM + ".utils", "_resize_cache", ("x", "v")),
+    Item("rows.workspace_manager", "rows", "function", _WS, "current_workspace_manager", ()),
+    Item("rows.workspace_initialized", "rows", "function", _WS,
+         "is_workspace_manager_initialized", ()),
+    Item("rows.get_simultaneous", "rows", "method", _WS, "WorkspaceManager.get_simultaneous",
+         ("self", "*shapes_and_dtypes")),
+    Item("rows.modular_impl", "rows", "class", _MK, "FusedMoEKernelModularImpl"),
+    Item("rows.prepare", "rows", "method", _MK, "FusedMoEKernelModularImpl._prepare",
+         ("self", "hidden_states", "topk_weights", "topk_ids", "global_num_experts", "expert_map",
+          "apply_router_weight_on_input"), strict=True),
+    Item("rows.problem_size", "rows", "method", _MK, "FusedMoEExpertsModular.moe_problem_size",
+         ("self", "a1", "w1", "w2", "topk_ids"), strict=True),
+    Item("rows.workspace_dtype", "rows", "method", _MK, "FusedMoEExpertsModular.workspace_dtype",
+         ("self", "act_dtype"), strict=True),
+    Item("rows.workspace_shapes", "rows", "method", _MK,
+         "FusedMoEExpertsModular.workspace_shapes",
+         ("self", "M", "N", "K", "topk", "global_num_experts", "local_num_experts",
+          "expert_tokens_meta", "activation"), strict=True),
+    Item("rows.a2_scale", "rows", "attr", _MK, "FusedMoEExperts.a2_scale"),
+    Item("rows.kernel_impl", "rows", "attr", _MK, "FusedMoEKernel.impl"),
+    Item("rows.kernel_experts", "rows", "attr", _MK, "FusedMoEKernel.fused_experts"),
+    Item("rows.kernel_prepare_finalize", "rows", "attr", _MK, "FusedMoEKernel.prepare_finalize"),
+    Item("rows.kernel_reduced", "rows", "method", _MK, "FusedMoEKernel.output_is_reduced",
+         ("self",)),
+    Item("rows.triton_experts", "rows", "class", _TM, "TritonExperts", cuda=True),
+    Item("rows.triton_apply", "rows", "method", _TM, "TritonExperts.apply",
+         ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
+          "global_num_experts", "expert_map", "a1q_scale", "a2_scale", "workspace13",
+          "workspace2", "expert_tokens_meta", "apply_router_weight_on_input"), strict=True,
+         cuda=True),
+    Item("rows.cache3", "rows", "code", _TM, "TritonExperts.apply",
+         fragments=("intermediate_cache3 = _resize_cache(workspace2",),
+         why="the rows are the first T*K*H elements of workspace2"),
+    Item("rows.moe_sum", "rows", "method", _TM, "TritonExperts.moe_sum", cuda=True),
+    Item("rows.no_dp_ep", "rows", "class", _FM + ".prepare_finalize.no_dp_ep",
+         "MoEPrepareAndFinalizeNoDPEPModular"),
+    Item("rows.routed_experts", "rows", "class", _FM + ".routed_experts", "RoutedExperts"),
+    Item("rows.zero_expert_router", "rows", "class", _FM + ".router.zero_expert_router",
+         "ZeroExpertRouter"),
+    Item("rows.unquantized", "rows", "class", _FM + ".unquantized_fused_moe_method",
+         "UnquantizedFusedMoEMethod"),
+    Item("rows.fp8", "rows", "class", "vllm.model_executor.layers.quantization.fp8",
+         "Fp8MoEMethod", cuda=True),
+    Item("rows.ct_fp8", "rows", "class", "vllm.model_executor.layers.quantization."
+         "compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_fp8",
+         "CompressedTensorsW8A8Fp8MoEMethod", cuda=True),
+    Item("rows.static_moe_layers", "rows", "field", "vllm.config.compilation",
+         "CompilationConfig.static_all_moe_layers"),
+    Item("rows.static_forward_context", "rows", "field", "vllm.config.compilation",
+         "CompilationConfig.static_forward_context"),
+    *(Item(f"rows.moe_config.{f}", "rows", "field", _FM + ".config", f"FusedMoEConfig.{f}")
+      for f in ("experts_per_token", "hidden_dim", "hidden_dim_unpadded", "moe_parallel_config",
+                "is_lora_enabled", "skip_final_all_reduce")),
+    *(Item(f"rows.moe_config.{f}", "rows", "attr", _FM + ".config", f"FusedMoEConfig.{f}")
+      for f in ("tp_size", "dp_size", "pcp_size", "ep_size", "is_sequence_parallel")),
+    *(Item(f"rows.runner.{a}", "rows", "attr", _MOE, f"MoERunner.{a}")
+      for a in ("routed_experts", "moe_config", "router", "routed_input_transform",
+                "routed_output_transform", "enable_dbo", "shared_experts")),
+    *(Item(f"rows.routed.{a}", "rows", "attr", _FM + ".routed_experts", f"RoutedExperts.{a}")
+      for a in ("quant_method", "activation", "global_num_experts", "expert_map",
+                "apply_router_weight_on_input")),
+    Item("rows.routed.weights", "rows", "code", _FM + ".unquantized_fused_moe_method",
+         "UnquantizedFusedMoEMethod.forward_native",
+         fragments=("self.moe_kernel.apply(", "layer.w13_weight", "layer.w2_weight"),
+         why="the weights the quant method passes to its kernel are the layer's w13/w2_weight "
+             "parameters (registered on the routed experts by create_weights)"),
+    *(Item(f"rows.quant_method.{a}", "rows", "attr", _FM + ".fused_moe_method_base",
+           f"FusedMoEMethodBase.{a}")
+      for a in ("is_monolithic", "moe_kernel", "has_unpadded_output")),
+    Item("rows.parallel.use_ep", "rows", "field", _FM + ".config",
+         "FusedMoEParallelConfig.use_ep"),
+    Item("rows.parallel.all2all", "rows", "attr", _FM + ".config",
+         "FusedMoEParallelConfig.use_all2all_kernels"),
     # ---- the post_grad_custom_post_pass slot (arfuse.vllm.slot) ----------------------------------
     Item("slot.inductor_passes", "slot", "field", "vllm.config.compilation",
          "CompilationConfig.inductor_passes"),

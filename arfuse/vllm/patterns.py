@@ -52,6 +52,10 @@ RMS_NORM = "vllm_ir::rms_norm"
 FUSED_ADD_RMS_NORM = "vllm_ir::fused_add_rms_norm"
 MOE_FORWARD = "vllm::moe_forward"
 MOE_FORWARD_SHARED = "vllm::moe_forward_shared"
+# arfuse's MoE op pair (arfuse.vllm.moe_rows): the unfinalized rows [T, K, H].
+MOE_ROWS = "arfuse_vllm::moe_forward_rows"
+MOE_SHARED_ROWS = "arfuse_vllm::moe_forward_shared_rows"
+EXAMPLE_TOP_K = 2
 AUTO_FUNCTIONALIZED = (auto_functionalized, auto_functionalized_v2)
 
 
@@ -90,6 +94,20 @@ def moe_output_index(node: Any) -> tuple[fx.Node, int] | None:
     return None
 
 
+def rows_output_index(node: Any) -> tuple[fx.Node, int] | None:
+    """(rows op node, 0 for the shared-expert output / 1 for the rows) when `node` is an output
+    of arfuse's MoE rows ops (moe_forward_rows returns the rows alone), else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if op_name(node) == MOE_ROWS:
+        return node, 1
+    if node.target is operator.getitem:
+        src, idx = node.args
+        if isinstance(src, fx.Node) and op_name(src) == MOE_SHARED_ROWS:
+            return src, int(idx)
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class PatternSpec:
     """One registered pattern: what it matches, for the record and the uuid."""
@@ -119,6 +137,10 @@ class Target:
 
     def gamma(self) -> torch.Tensor:
         return torch.empty(self.hidden, dtype=self.dtype, device=self.device)
+
+    def rows(self) -> torch.Tensor:
+        t = max(1, min(EXAMPLE_TOKENS, self.max_tokens))
+        return torch.empty(t, EXAMPLE_TOP_K, self.hidden, dtype=self.dtype, device=self.device)
 
 
 class Checks:
@@ -349,6 +371,113 @@ class MoEScaled(_MoETail):
         return pattern, replacement
 
 
+# ---- the MoE tails on arfuse's unfinalized rows (arfuse.vllm.moe_rows) ----------------------------
+# The switched MoERunner.forward: `rows.sum(dim=1)` stands for vLLM's moe_sum, then the same
+# routed scale and shared add, the all-reduce and the next layer's norm. One arfuse call on the
+# dense rows [T, K, H] (router weights already in them: expert_weights None) does it all.
+
+
+class _RowsTail(FusionPattern):
+    """rows [T, K, H] -> sum over K -> (* rsf) -> (+ shared) -> all_reduce -> fused_add_rms_norm.
+    `tail` is what the switched MoERunner.forward computes from the rows."""
+
+    shared_input = False
+
+    @staticmethod
+    def tail(rows: torch.Tensor, shared: torch.Tensor | None, scale: float | None) -> Any:
+        routed = rows.sum(dim=1)
+        if scale is not None:
+            routed = routed * scale
+        return routed if shared is None else shared + routed
+
+    def functions(self):
+        all_reduce, add_rms_norm, fused, tail = (self.all_reduce, self.add_rms_norm, self.fused,
+                                                 self.tail)
+        # The parameter lists differ per form (register_replacement reads them): one pair each.
+        if self.shared_input and self.scaled:
+            def pattern(rows, shared, residual, w, scale):
+                return add_rms_norm(all_reduce(tail(rows, shared, scale)), residual, w)
+
+            def replacement(rows, shared, residual, w, scale):
+                return fused(rows, residual, w, shared, scale)
+        elif self.shared_input:
+            def pattern(rows, shared, residual, w):
+                return add_rms_norm(all_reduce(tail(rows, shared, None)), residual, w)
+
+            def replacement(rows, shared, residual, w):
+                return fused(rows, residual, w, shared)
+        elif self.scaled:
+            def pattern(rows, residual, w, scale):
+                return add_rms_norm(all_reduce(tail(rows, None, scale)), residual, w)
+
+            def replacement(rows, residual, w, scale):
+                return fused(rows, residual, w, None, scale)
+        else:
+            def pattern(rows, residual, w):
+                return add_rms_norm(all_reduce(tail(rows, None, None)), residual, w)
+
+            def replacement(rows, residual, w):
+                return fused(rows, residual, w)
+        return pattern, replacement
+
+    def inputs(self) -> list[Any]:
+        t = self.target
+        return [t.rows()] + ([t.act()] if self.shared_input else []) + [t.act(), t.gamma()]
+
+    def check(self, match: Match) -> bool:
+        if not self.checks.norm_check(match, skip=("rows",)):
+            return False
+        rows = match.kwargs.get("rows")
+        v = val(rows)
+        if not (isinstance(v, torch.Tensor) and v.dim() == 3 and v.dtype == self.checks.dtype
+                and v.shape[-1] == self.checks.hidden and not isinstance(v.shape[1], torch.SymInt)
+                and 1 <= int(v.shape[1]) <= 64):
+            return False
+        src = rows_output_index(rows)
+        if src is None or src[1] != 1:
+            return False
+        if not self.shared_input:
+            return True
+        shared = rows_output_index(match.kwargs.get("shared"))
+        return shared is not None and shared[0] is src[0] and shared[1] == 0
+
+
+class RowsScaledShared(_RowsTail):
+    """shared + rows.sum(1) * rsf -> all_reduce -> fused_add_rms_norm (DeepSeek-V2/V3)."""
+
+    kind = "rows_scaled_shared"
+    scaled = True
+    shared_input = True
+
+
+class RowsShared(_RowsTail):
+    """shared + rows.sum(1) -> ... (shared experts, routed scale 1)."""
+
+    kind = "rows_shared"
+    shared_input = True
+
+
+class RowsScaled(_RowsTail):
+    """rows.sum(1) * rsf -> ... (routed scale without shared experts)."""
+
+    kind = "rows_scaled"
+    scaled = True
+
+
+class Rows(_RowsTail):
+    """rows.sum(1) -> ... (Qwen3-MoE, Mixtral)."""
+
+    kind = "rows"
+
+
+# Each also with the residual output unused (the last layer). Only before fused_add_rms_norm: in
+# vLLM's decoder layers a MoE output always meets the next layer's input_layernorm with a
+# residual. The fp16 form vLLM uses with shared experts (shared * (1/rsf) + routed) has no dense
+# counterpart in arfuse's op (its scale applies to the rows only): there the sum is Inductor's and
+# the all-reduce + norm is fused by AllReduceAddRMSNorm.
+ROWS_PATTERNS: tuple[type[_RowsTail], ...] = (RowsScaledShared, RowsShared, RowsScaled, Rows)
+
+
 # ---- all-reduce + norm -----------------------------------------------------------------------------
 
 
@@ -401,6 +530,7 @@ class AllReduceRMSNorm(FusionPattern):
 
 # The order of registration (per eps and weight_bias).
 PATTERNS: tuple[type[FusionPattern], ...] = (
+    *ROWS_PATTERNS,
     MoEScaledShared,
     MoESharedScaled,
     MoEShared,

@@ -166,8 +166,32 @@ def _after_configure(pass_manager: Any, result: Any, args: Any, kwargs: Any) -> 
 def _after_load_model(worker: Any, result: Any, args: Any, kwargs: Any) -> Any:
     global _worker_config
     _worker_config = worker.vllm_config
-    _comms.get_communicator(worker.vllm_config)
+    comm = _comms.get_communicator(worker.vllm_config)
+    if comm is not None:
+        switch_moe_rows(worker.vllm_config)
     return result
+
+
+_rows_problems: list[str] | None = None
+
+
+def switch_moe_rows(vllm_config: Any) -> list[str]:
+    """Hands the finalize of the model's eligible MoE layers to arfuse (arfuse.vllm.moe_rows),
+    unless ARFUSE_VLLM_MOE_ROWS=0 or this vLLM lacks something the switch needs (contract items
+    of need "rows": one log line, the switch stays off). Returns the switched layer names."""
+    global _rows_problems
+    if not _settings.from_env().moe_rows:
+        return []
+    if _rows_problems is None:
+        _rows_problems = _contract.summarize(_contract.check_installed(needs=("rows",)))
+        if _rows_problems:
+            logger.warning("arfuse: MoE finalize stays in vLLM: this vLLM lacks %s",
+                           "; ".join(_rows_problems))
+    if _rows_problems:
+        return []
+    from . import moe_rows
+
+    return moe_rows.switch(vllm_config)[0]
 
 
 def worker_config() -> Any:

@@ -19,6 +19,9 @@ TIMEOUT_ENV = "ARFUSE_VLLM_TIMEOUT_S"
 # Whether the fusion pass folds vLLM's static per-tensor FP8 quant of the norm output into the
 # fused call (where arfuse has fp8_static kernels for the model).
 FP8_ENV = "ARFUSE_VLLM_FP8"
+# Whether eligible MoE layers hand their unfinalized expert rows to the graph, so that the
+# finalize is fused too (arfuse.vllm.moe_rows).
+MOE_ROWS_ENV = "ARFUSE_VLLM_MOE_ROWS"
 # How long a rank's kernel waits for its peers before giving up (the communicator then reports
 # itself broken). Generous by default: in a deployment the ranks reach their first fused call at
 # different times (one rank may still be compiling or capturing CUDA graphs), and a wait that
@@ -44,6 +47,7 @@ class Settings:
     algorithm: str
     timeout_s: int = DEFAULT_TIMEOUT_S
     fp8: bool = True
+    moe_rows: bool = True
 
     @property
     def algorithm_code(self) -> int:
@@ -89,6 +93,7 @@ def from_env() -> Settings:
         algorithm=algorithm,
         timeout_s=_positive_int(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S,
         fp8=_flag(FP8_ENV, default=True),
+        moe_rows=_flag(MOE_ROWS_ENV, default=True),
     )
 
 
@@ -97,6 +102,6 @@ def source_hash() -> str:
     cache keys). Reads files only, imports nothing."""
     here = Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for name in ("fusion.py", "patterns.py", "fp8_fold.py", "settings.py"):
+    for name in ("fusion.py", "patterns.py", "fp8_fold.py", "moe_rows.py", "settings.py"):
         digest.update((here / name).read_bytes())
     return digest.hexdigest()

@@ -1,0 +1,109 @@
+"""The MoE finalize handed to arfuse (arfuse.vllm.moe_rows), on vLLM's real MoE model classes.
+
+Each case runs rows_probe.py in a fresh process (Triton's interpreter must be on before vLLM is
+imported): Qwen3-MoE, DeepSeek-V3 and Mixtral, built small on the CPU with vLLM's TritonExperts
+(the experts vLLM picks on Hopper; run by Triton's interpreter, CUDA-only ops by PyTorch
+stand-ins, tests/vllm/triton_cpu.py), then
+
+* switched by the same function the plugin's Worker.load_model hook calls,
+* compiled the way vLLM compiles (decoder_models.compile_and_run: the model's own
+  @support_torch_compile, VllmBackend, the arfuse pass added by the plugin's configure-hook code),
+* and compared, every element, with the same weights run by vLLM's own path (its opaque MoE ops,
+  moe_sum, eager).
+
+A model whose experts are not eligible (vLLM's CPU MoE backend) must be left exactly as vLLM
+built it. Fresh seeds each run (ARFUSE_TEST_SEED repeats one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import vllm_harness as H
+
+H.require_vllm()
+H.require_arfuse()
+
+PROBE = Path(__file__).with_name("rows_probe.py")
+REPO = Path(__file__).resolve().parents[2]
+RSF = {"qwen3-moe": 1.0, "deepseek-v3": 2.5, "mixtral": 1.0}
+
+
+def probe(tmp_path: Path, case: str, mode: str) -> dict:
+    seed = int(os.environ.get("ARFUSE_TEST_SEED") or int.from_bytes(os.urandom(3), "little"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, str(PROBE), str(tmp_path), case, mode, str(seed)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"seed {seed}: probe failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+        f"{proc.stderr[-6000:]}")
+    out = json.loads(lines[-1][len("RESULT "):])
+    out["seed"] = seed
+    return out
+
+
+@pytest.mark.parametrize("case", ["qwen3-moe", "deepseek-v3", "mixtral"])
+def test_triton_experts_hand_their_rows_to_arfuse(tmp_path, case):
+    got = probe(tmp_path, case, "triton")
+    seed = got["seed"]
+    assert got["setup"]["bf16_dot"] and got["setup"]["rne_casts"]
+    # Every MoE layer switched, none kept.
+    assert got["layers"] == 2 and len(got["switched"]) == 2 and got["kept"] == {}, got["kept"]
+    assert got["entries_unchanged"] == []
+    # vLLM's own path sums the top-k rows with moe_sum (once per layer per call); the rows path
+    # never does.
+    assert got["ref_moe_sum_calls"] == 2 * 2 and got["moe_sum_calls"] == 0
+    # Each MoE tail became one arfuse call on the dense rows [T, K, H] from the rows op, router
+    # weights already in them (expert_weights None), the routed scale and the shared output in.
+    dense = [c for c in got["calls"] if c["dims"] == 3]
+    assert len(dense) == 2, got["calls"]
+    shared = case == "deepseek-v3"
+    for c in dense:
+        assert c["k"] == 2 and c["weights"] == "None" and c["scale"] == RSF[case]
+        if shared:
+            assert c["source"] == "arfuse_vllm::moe_forward_shared_rows[1]"
+            assert c["shared"] == "arfuse_vllm::moe_forward_shared_rows[0]"
+        else:
+            assert c["source"] == "arfuse_vllm::moe_forward_rows" and c["shared"] == "None"
+    # Nothing of the chains is left: no top-k sum, no all-reduce, no add + norm; the rows ops
+    # stay (they run the experts).
+    left = {}
+    for ops in got["after"]:
+        for k, v in ops.items():
+            left[k] = left.get(k, 0) + v
+    for op in ("aten::sum", "vllm::all_reduce", "vllm_ir::fused_add_rms_norm",
+               "vllm::moe_forward", "vllm::moe_forward_shared"):
+        assert left.get(op, 0) == 0, (op, left)
+    rows_op = "arfuse_vllm::moe_forward_shared_rows" if shared else "arfuse_vllm::moe_forward_rows"
+    assert left.get(rows_op) == 2
+    # The same model, switched and compiled with arfuse, against vLLM's own path: every element
+    # within |d| <= 2^-6 + 2^-5 |ref| (bf16; arfuse sums the rows, scales and adds in float32 and
+    # rounds once, vLLM rounds after each step).
+    for e in got["errors"]:
+        assert e["finite"] and e["within"] <= 1.0, (seed, e)
+
+
+def test_ineligible_experts_are_left_as_vllm_built_them(tmp_path):
+    """vLLM's CPU MoE backend finalizes inside its own kernel: no layer is switched, each keeps
+    vLLM's own entry (the same object), the graph holds vLLM's MoE op and no rows op."""
+    got = probe(tmp_path, "qwen3-moe", "cpu")
+    assert got["switched"] == [] and len(got["kept"]) == 2
+    assert sorted(got["entries_unchanged"]) == sorted(got["kept"])
+    for why in got["kept"].values():
+        assert why == ["experts finalize inside one kernel (not vLLM's modular Triton path)"] or \
+            any("not TritonExperts" in w for w in why), why
+    before = {}
+    for ops in got["before"]:
+        for k, v in ops.items():
+            before[k] = before.get(k, 0) + v
+    assert not any(k.startswith("arfuse_vllm::") for k in before), before
+    assert all(c["dims"] == 2 for c in got["calls"])
+    for e in got["errors"]:
+        assert e["finite"] and e["within"] <= 1.0, (got["seed"], e)
