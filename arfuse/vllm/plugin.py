@@ -20,6 +20,9 @@ items of arfuse.vllm.contract), each once per process (register() is re-entrant)
    weights are loaded, on every rank, whether or not torch.compile runs later. A graph loaded
    from vLLM's cache holds the communicator's handle as a constant, so the communicator must exist
    even when the pass is never constructed; and the eager call can use it without torch.compile.
+   With a communicator, the same hook switches the model's eligible MoE layers to hand their
+   unfinalized expert rows to the graph (arfuse.vllm.moe_rows; ARFUSE_VLLM_MOE_ROWS=0 keeps
+   vLLM's finalize), before vLLM compiles or profiles the model.
 
 A failure in arfuse never stops vLLM (arfuse.vllm.guard): a hook target that this vLLM lacks is
 skipped with one log line, and since the three belong together (a pass without the cache key or
