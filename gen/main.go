@@ -125,6 +125,9 @@ func generate(o options, stdout, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	if err := checkTuning(tuning); err != nil {
+		return err
+	}
 	if variants, err = filterOnly(variants, o.only, mpath); err != nil {
 		return err
 	}

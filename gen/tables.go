@@ -74,6 +74,10 @@ var outKinds = []*OutKind{
 	{Name: "fp8_group128", Enum: "arfuse::OutKind::kFP8Group128", Group: quantGroup},
 }
 
+// maxTopK is the most experts per token a model may route to: arfuse::kMaxTopK in
+// csrc/arfuse/params.h.
+const maxTopK = 64
+
 // worldSizes are the tensor-parallel group sizes a specialised instance may be built for
 // (arfuse::kMaxWorld is 16).
 var worldSizes = []int{2, 4, 8, 16}
