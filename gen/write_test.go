@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"text/template/parse"
 	"time"
 )
 
@@ -104,19 +105,79 @@ func TestWriterRefusesOnePathTwice(t *testing.T) {
 	}
 }
 
-func TestFuncMapIsDeterministic(t *testing.T) {
+// The templates call only the listed functions and text/template's builtins, and every listed
+// function is called somewhere (the list is what the templates use, nothing more).
+func TestTemplateFuncs(t *testing.T) {
+	builtins := map[string]bool{"and": true, "call": true, "html": true, "index": true, "slice": true,
+		"js": true, "len": true, "not": true, "or": true, "print": true, "printf": true, "println": true,
+		"urlquery": true, "eq": true, "ge": true, "gt": true, "le": true, "lt": true, "ne": true}
+	tm, err := loadTemplates()
+	if err != nil {
+		t.Fatal(err)
+	}
 	fm := funcMap()
-	for _, name := range []string{"env", "expandenv", "now", "date", "dateInZone", "date_modify", "toDate",
-		"ago", "randAlphaNum", "randInt", "randBytes", "uuidv4", "shuffle", "keys", "values",
-		"getHostByName", "genPrivateKey", "bcrypt", "osBase", "unixEpoch", "htmlDate"} {
-		if _, ok := fm[name]; ok {
-			t.Errorf("template function %s is non-deterministic or environment-dependent", name)
+	used := map[string]bool{}
+	var walk func(n parse.Node)
+	walk = func(n parse.Node) {
+		switch n := n.(type) {
+		case *parse.ListNode:
+			if n != nil {
+				for _, c := range n.Nodes {
+					walk(c)
+				}
+			}
+		case *parse.ActionNode:
+			walk(n.Pipe)
+		case *parse.IfNode:
+			walk(n.Pipe)
+			walk(n.List)
+			walk(n.ElseList)
+		case *parse.RangeNode:
+			walk(n.Pipe)
+			walk(n.List)
+			walk(n.ElseList)
+		case *parse.WithNode:
+			walk(n.Pipe)
+			walk(n.List)
+			walk(n.ElseList)
+		case *parse.TemplateNode:
+			walk(n.Pipe)
+		case *parse.PipeNode:
+			if n != nil {
+				for _, c := range n.Cmds {
+					walk(c)
+				}
+			}
+		case *parse.CommandNode:
+			for _, a := range n.Args {
+				walk(a)
+			}
+		case *parse.IdentifierNode:
+			used[n.Ident] = true
 		}
 	}
-	for _, name := range []string{"fail", "join", "upper", "quote"} {
-		if _, ok := fm[name]; !ok {
-			t.Errorf("template function %s missing", name)
+	templates := 0
+	for _, tmpl := range tm.Templates() {
+		if tmpl.Tree != nil {
+			templates++
+			walk(tmpl.Tree.Root)
 		}
+	}
+	if templates < 5 {
+		t.Fatalf("walked %d templates", templates)
+	}
+	for name := range used {
+		if _, ok := fm[name]; !ok && !builtins[name] {
+			t.Errorf("a template calls %s, which funcMap does not list", name)
+		}
+	}
+	for name := range fm {
+		if !used[name] {
+			t.Errorf("funcMap lists %s, which no template calls", name)
+		}
+	}
+	if !used["len"] || !used["fail"] {
+		t.Errorf("the walk found %v: it does not see the templates' calls", used)
 	}
 }
 
