@@ -66,8 +66,8 @@ func hiddenRule(dt *DType, hidden int) string {
 // returns why it cannot be built.
 //
 // One-shot serves the small token counts, where latency is one token's: a token's row is split
-// over a thread-block cluster (the largest of 8/4/2 CTAs that divides the row and leaves each CTA
-// at least 128 vectors), so that one token's loads come from several SMs at once. Two-shot serves
+// over a thread-block cluster (the largest of clusterSizes, 8/4/2 CTAs, that divides the row and
+// leaves each CTA at least 128 vectors), so that one token's loads come from several SMs at once. Two-shot serves
 // the large token counts, where there are tokens enough for every SM and throughput is what
 // counts: one CTA per token (no cluster, so no cluster barriers per token and no cluster-shaped
 // limit on co-residency), each thread keeping at least twoShotMinVecs vectors of the row (so that
@@ -91,7 +91,7 @@ func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 		p.VecsPerThread = max(ceilDiv(p.Nvec, twoShotMaxThreads), min(twoShotMinVecs, ceilDiv(p.Nvec, 32)))
 		p.ThreadsPerToken = roundUp(ceilDiv(p.Nvec, p.VecsPerThread), 32)
 	} else { // one-shot, and two-shot rows too long for one CTA's registers
-		for _, c := range []int{8, 4, 2} {
+		for _, c := range clusterSizes {
 			if p.Nvec%c == 0 && p.Nvec/c >= 128 {
 				p.Cluster = c
 				break

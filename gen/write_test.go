@@ -4,8 +4,6 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
-	"regexp"
-	"strconv"
 	"strings"
 	"testing"
 	"text/template/parse"
@@ -212,71 +210,5 @@ func TestManifestKeysSorted(t *testing.T) {
 	again, _ := json.MarshalIndent(decoded, "", "  ")
 	if string(again)+"\n" != string(data) {
 		t.Errorf("manifest keys are not sorted:\n%s", data)
-	}
-}
-
-// The spellings in the tables must exist in the hand-written headers the output compiles against.
-func TestTablesMatchHeaders(t *testing.T) {
-	params, err := os.ReadFile("../csrc/arfuse/params.h")
-	if err != nil {
-		t.Fatal(err)
-	}
-	opsH, err := os.ReadFile("../csrc/arfuse/ops.h")
-	if err != nil {
-		t.Fatal(err)
-	}
-	enum := func(name string) string {
-		m := regexp.MustCompile(`enum class ` + name + ` : int32_t \{([^}]*)\}`).FindSubmatch(params)
-		if m == nil {
-			t.Fatalf("params.h has no enum class %s", name)
-		}
-		return string(m[1])
-	}
-	for i, d := range dtypes {
-		e := strings.TrimPrefix(d.Enum, "arfuse::DType::")
-		if !strings.Contains(enum("DType"), e+" = "+strconv.Itoa(i)) {
-			t.Errorf("params.h DType lacks %s = %d (the dtype table's order)", e, i)
-		}
-	}
-	for _, a := range algos {
-		if !strings.Contains(enum("Algo"), strings.TrimPrefix(a.Enum, "arfuse::Algo::")+" =") {
-			t.Errorf("params.h Algo lacks %s", a.Enum)
-		}
-	}
-	for i, o := range outKinds {
-		e := strings.TrimPrefix(o.Enum, "arfuse::OutKind::")
-		if !strings.Contains(enum("OutKind"), e+" = "+strconv.Itoa(i)) {
-			t.Errorf("params.h OutKind lacks %s = %d (the output kind table's order)", e, i)
-		}
-	}
-	if m := regexp.MustCompile(`constexpr int kQuantGroup = (\d+);`).FindSubmatch(params); m == nil || string(m[1]) != strconv.Itoa(quantGroup) {
-		t.Errorf("params.h kQuantGroup does not match quantGroup = %d", quantGroup)
-	}
-	declared := func(fn string) bool {
-		return regexp.MustCompile(`\b` + fn + `\(`).Match(opsH)
-	}
-	for _, op := range ops {
-		if !strings.HasPrefix(op.Signature, "(") || !strings.Contains(op.Signature, ") -> ") {
-			t.Errorf("%s: odd signature %q", op.Name, op.Signature)
-		}
-		if len(op.Kernels) == 0 {
-			t.Errorf("%s: no kernel for any dispatch key", op.Name)
-		}
-		var fns []string
-		for _, k := range op.Kernels {
-			fns = append(fns, k.Fn)
-			found := false
-			for _, key := range dispatchKeys {
-				found = found || key == k.Key
-			}
-			if !found {
-				t.Errorf("%s: unknown dispatch key %s", op.Name, k.Key)
-			}
-		}
-		for _, fn := range fns {
-			if fn != "" && !declared(fn) {
-				t.Errorf("%s: %s::%s is not declared in csrc/arfuse/ops.h", op.Name, opsNamespace, fn)
-			}
-		}
 	}
 }
