@@ -86,7 +86,7 @@ type Gen struct {
 	Keys       []KeyBlock
 }
 
-// KeyBlock is one TORCH_LIBRARY_IMPL block: the ops implemented for one dispatch key.
+// KeyBlock is one STABLE_TORCH_LIBRARY_IMPL block: the ops implemented for one dispatch key.
 type KeyBlock struct {
 	Key   string
 	Impls []OpImpl
