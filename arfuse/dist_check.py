@@ -113,6 +113,8 @@ class DistCheckError(Exception):
 # ============================================================================ arguments
 
 def build_parser() -> argparse.ArgumentParser:
+    from ._cli import HelpFormatter
+
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m arfuse.dist_check",
         description="arfuse's correctness suite with one process per GPU: the real Communicator, "
@@ -120,18 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "against a float64 reference, outputs bitwise identical across ranks, and a "
                     "CUDA graph replayed many times. Writes a JSON report; exit status 1 on any "
                     "failure.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--out", default="dist-check-out", help="directory for the JSON report")
     p.add_argument("--name", help="report file stem (default: dist_check_w<N>)")
     p.add_argument("--replays", type=int, default=None,
-                   help=f"graph replays per algorithm (default {DEFAULT_REPLAYS}, "
+                   help=f"graph replays per algorithm (default: {DEFAULT_REPLAYS}, "
                         f"{QUICK_REPLAYS} with --quick; 0: no graph check)")
     p.add_argument("--quick", action="store_true",
                    help="a subset: one or two shapes per suite (every suite still runs)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="the communicators' capacity, also the largest token count checked")
     p.add_argument("--only", default=None,
-                   help="comma list of suites to run (default all): " + ", ".join(SUITES))
+                   help="comma list of suites to run (default: all): " + ", ".join(SUITES))
     p.add_argument("--seed", type=int, default=None,
                    help="base seed (default: drawn by rank 0); case seeds derive from it and the "
                         "case name, so --seed S --only SUITE reproduces a case")
