@@ -307,31 +307,27 @@ func (d *doc) nameList(n *yaml.Node, path, what string, want []string) ([]string
 	return names, nil
 }
 
-func (d *doc) dtypeList(n *yaml.Node, path string) ([]*DType, error) {
-	names, err := d.nameList(n, path, "dtype", dtypeNames())
-	var out []*DType
+// tableList reads a non-empty list of names of table entries (dtypes, algorithms, output kinds)
+// and returns the entries.
+func tableList[T interface{ name() string }](d *doc, n *yaml.Node, path, what string, table []T) ([]T, error) {
+	names, err := d.nameList(n, path, what, namesOf(table))
+	var out []T
 	for _, s := range names {
-		out = append(out, dtypeByName(s))
+		out = append(out, byName(table, s))
 	}
 	return out, err
+}
+
+func (d *doc) dtypeList(n *yaml.Node, path string) ([]*DType, error) {
+	return tableList(d, n, path, "dtype", dtypes)
 }
 
 func (d *doc) algoList(n *yaml.Node, path string) ([]*Algo, error) {
-	names, err := d.nameList(n, path, "algorithm", algoNames())
-	var out []*Algo
-	for _, s := range names {
-		out = append(out, algoByName(s))
-	}
-	return out, err
+	return tableList(d, n, path, "algorithm", algos)
 }
 
 func (d *doc) outList(n *yaml.Node, path string) ([]*OutKind, error) {
-	names, err := d.nameList(n, path, "output kind", outKindNames())
-	var out []*OutKind
-	for _, s := range names {
-		out = append(out, outKindByName(s))
-	}
-	return out, err
+	return tableList(d, n, path, "output kind", outKinds)
 }
 
 func modelNames(models []*Model) []string {

@@ -206,8 +206,6 @@ func dtypeByName(name string) *DType     { return byName(dtypes, name) }
 func algoByName(name string) *Algo       { return byName(algos, name) }
 func outKindByName(name string) *OutKind { return byName(outKinds, name) }
 
-func dtypeNames() []string   { return namesOf(dtypes) }
-func algoNames() []string    { return namesOf(algos) }
-func outKindNames() []string { return namesOf(outKinds) }
+func dtypeNames() []string { return namesOf(dtypes) }
 
 func dtypeIndex(d *DType) int { return slices.Index(dtypes, d) }
