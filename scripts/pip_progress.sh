@@ -3,7 +3,7 @@
 # gigabytes); plain pip prints pages. This prints one line per wheel as its download starts (name
 # and size), the number of packages when the install starts, and every 15 s while pip runs a
 # line with the time so far and the size of the folder being filled (the unpacking of large
-# wheels prints nothing else).
+# wheels prints nothing else). pip runs unbuffered, so that each line comes when pip says it.
 #
 #   pip_progress LABEL DIR PYTHON [pip install arguments...]
 #
@@ -23,14 +23,26 @@ pip_progress() {
   ) &
   beat=$!
   set +e
-  "$python" -m pip install --progress-bar off "$@" | awk -v label="$label" '
-    /^ *Downloading .*\.whl \(/ && !/\.metadata/ { sub(/^ *Downloading /, ""); print label ": downloading " $0; fflush(); next }
-    /^Installing collected packages:/ { n = split(substr($0, 32), a, ","); print label ": installing " n " package" (n == 1 ? "" : "s"); fflush() }
-  '
+  PYTHONUNBUFFERED=1 "$python" -m pip install --progress-bar off "$@" | _pip_progress_lines "$label"
   rc=${PIPESTATUS[0]}
   kill "$beat" 2>/dev/null
   wait "$beat" 2>/dev/null
   [ -z "$errexit" ] || set -e
   [ "$rc" -ne 0 ] || echo "$label: done in $(( $(date +%s) - start )) s, $(du -sh "$dir" 2>/dev/null | cut -f1) in $dir"
   return "$rc"
+}
+
+# The lines of pip's output worth showing, as they come (a shell loop: mawk, Debian's awk, reads
+# a pipe in blocks and would hold them back).
+_pip_progress_lines() {
+  local label=$1 line n
+  while IFS= read -r line; do
+    case $line in
+      *Downloading*.whl.metadata*) ;;
+      *Downloading*.whl\ \(*) echo "$label: downloading ${line#*Downloading }" ;;
+      "Installing collected packages: "*)
+        n=$(tr ',' '\n' <<<"${line#*: }" | grep -c .)
+        echo "$label: installing $n packages" ;;
+    esac
+  done
 }
