@@ -137,7 +137,8 @@ _lib: $(LIB)
 
 $(LIB): $(CU_OBJS) $(CXX_OBJS)
 	@mkdir -p $(dir $@)
-	g++ -o $@ $^ $(LD_FLAGS)
+	@echo "g++ -o $@ ($(words $^) objects) $(LD_FLAGS)"
+	@g++ -o $@ $^ $(LD_FLAGS)
 	@echo "built $@ ($$(du -h $@ | cut -f1), $(words $(ARFUSE_CU_SOURCES)) generated CUDA sources; $$(cat $(BUILD)/.done 2>/dev/null | wc -l) of $(N_OBJS) objects compiled in this run)"
 
 $(BUILD)/gen/%.o: $(GENDIR)/%.cu $(HEADERS)
