@@ -2,12 +2,15 @@
 #
 #   make                 generate the default matrix into out/, compile it, link the torch extension
 #                        into arfuse/_lib/ and build the wheel into dist/
+#   make install         the wheel into PYTHON's environment, or INTO=/path/to/python's (--no-deps:
+#                        that environment keeps its torch, which must be 2.11 or later)
+#   make gen             build the generator, build/bin/gen (what generate runs)
 #   make test            Go checks and tests, a full nvcc build of variants/ci.yaml, Python tests in
 #                        two lanes (vLLM 0.26 + torch 2.11, vLLM 0.34 + torch 2.14), vLLM contract check
 #                        (GPU tests run when a GPU is present and are reported skipped otherwise)
 #   make MATRIX=ci|default|full      choose the matrix for `make`
 #
-# Data flow: variants/*.yaml -> go run ./gen -> out/ (kernels/*.cu, dispatch, registration,
+# Data flow: variants/*.yaml -> build/bin/gen -> out/ (kernels/*.cu, dispatch, registration,
 # manifest, sources.mk) -> nvcc / g++ -> libarfuse_ops.so -> wheel.
 # On the GPU machine (no Go, no network): make lib SKIP_GEN=1 PYTHON=python3 NVCC=nvcc
 
@@ -32,13 +35,13 @@ HEADERS   := $(wildcard csrc/arfuse/*.h csrc/arfuse/*.cuh csrc/host/*.h)
 # releases (tests/test_stable_abi.py reads its undefined symbols). TORCH_TARGET_VERSION 2.11.
 TORCH_TARGET := 0x020b000000000000
 
-.PHONY: all env vllm-env toolchain generate lib wheel test test-go test-python test-gpu check-generated clean help
+.PHONY: all env vllm-env toolchain gen generate lib wheel install test test-go test-python test-gpu check-generated clean help
 .DEFAULT_GOAL := all
 
 all: wheel
 
 help:
-	@sed -n '3,14p' Makefile
+	@sed -n '3,17p' Makefile
 
 # ---- environment -------------------------------------------------------------------------------
 env:
@@ -64,12 +67,23 @@ toolchain: env
 	nvcc_path=$$(command -v "$$nvcc_path" || echo "$$nvcc_path"); nvcc_path=$$(readlink -f "$$nvcc_path"); \
 	mkdir -p build; echo "$$nvcc_path" > build/nvcc.path.$$$$ && mv -f build/nvcc.path.$$$$ build/nvcc.path; echo "nvcc: $$nvcc_path"
 
+# The generator as a binary: its exit status is the documented one (0, 1 for --check
+# differences, 2 for bad input), which `go run` would turn into 1 and an "exit status N" line.
+GEN_BIN := build/bin/gen
+gen:
+	@$(GO) build -o $(GEN_BIN) ./gen
+
 generate:
 ifeq ($(SKIP_GEN),0)
-	$(GO) run ./gen --matrix $(MATRIX) --out $(GENDIR)
+	@$(MAKE) --no-print-directory gen
+	$(GEN_BIN) --matrix $(MATRIX) --out $(GENDIR)
 endif
 
+# The compile is a parallel make (_lib below); each object prints "[n/N] file (seconds)" when it
+# is done, n counting the objects finished in this run, N the objects of the library (an
+# incremental build stops short of N: the rest were up to date).
 lib: toolchain generate
+	@mkdir -p $(BUILD) && rm -f $(BUILD)/.done
 	@$(MAKE) --no-print-directory -j$(JOBS) _lib MATRIX=$(MATRIX) GENDIR=$(GENDIR) BUILD=$(BUILD) LIBDIR=$(LIBDIR) PYTHON=$(PYTHON)
 
 wheel: lib
@@ -77,6 +91,14 @@ wheel: lib
 	@cp $(GENDIR)/manifest.json $(LIBDIR)/manifest.json
 	rm -rf dist build/wheel && $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps -w dist .
 	@ls -l dist/*.whl
+
+# The wheel into an environment that has torch 2.11 or later (CUDA 13 build): --no-deps, so that
+# the environment's torch (a vLLM environment's, say) stays. Then `import arfuse` works anywhere.
+INTO ?= $(PYTHON)
+install: wheel
+	@$(INTO) -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if v >= (2, 11) else f"make install: {sys.executable} has torch {torch.__version__}; arfuse needs torch 2.11 or later")'
+	$(INTO) -m pip install -q --no-deps --force-reinstall dist/arfuse-*.whl
+	@cd / && $(abspath $(INTO)) -c 'import arfuse; print("installed arfuse", arfuse.__version__, "in", arfuse.__file__.rsplit("/", 1)[0], "(library loaded)" if arfuse.is_built() else "(LIBRARY NOT LOADED)")'
 
 # ---- the compile and link step (a second make, so that it reads the freshly generated list) ----
 ifneq ($(filter _lib,$(MAKECMDGOALS)),)
@@ -99,33 +121,37 @@ LD_FLAGS   := -shared -Wl,--no-as-needed -L$(TORCH_DIR)/lib -ltorch -ltorch_cpu 
 CU_OBJS  := $(patsubst $(GENDIR)/%.cu,$(BUILD)/gen/%.o,$(ARFUSE_CU_SOURCES)) $(BUILD)/csrc/kernels.o
 CXX_OBJS := $(patsubst $(GENDIR)/%.cpp,$(BUILD)/gen/%.o,$(ARFUSE_CXX_SOURCES)) \
             $(patsubst csrc/%.cpp,$(BUILD)/csrc/%.o,$(HAND_CXX))
+N_OBJS   := $(words $(CU_OBJS) $(CXX_OBJS))
+$(info $(LIB): $(N_OBJS) objects; those out of date compiled $(JOBS) at a time, each printed as it finishes)
+
+# compile(tool, command): runs the command, then prints "[n/N] source (seconds)". n is the line
+# of this object in $(BUILD)/.done, to which each finished object appends itself (one short
+# append each, so parallel jobs cannot interleave): exact under -j without a lock.
+define compile
+@mkdir -p $(dir $@)
+@t0=$$(date +%s); $(2) && echo "$@" >> $(BUILD)/.done && \
+  echo "[$$(grep -n -x -F "$@" $(BUILD)/.done | head -n 1 | cut -d: -f1)/$(N_OBJS)] $(1) $< ($$(( $$(date +%s) - t0 )) s)"
+endef
 
 _lib: $(LIB)
 
 $(LIB): $(CU_OBJS) $(CXX_OBJS)
 	@mkdir -p $(dir $@)
-	g++ -o $@ $^ $(LD_FLAGS)
-	@echo "built $@ ($$(du -h $@ | cut -f1), $(words $(ARFUSE_CU_SOURCES)) generated CUDA sources)"
+	@echo "g++ -o $@ ($(words $^) objects) $(LD_FLAGS)"
+	@g++ -o $@ $^ $(LD_FLAGS)
+	@echo "built $@ ($$(du -h $@ | cut -f1), $(words $(ARFUSE_CU_SOURCES)) generated CUDA sources; $$(cat $(BUILD)/.done 2>/dev/null | wc -l) of $(N_OBJS) objects compiled in this run)"
 
 $(BUILD)/gen/%.o: $(GENDIR)/%.cu $(HEADERS)
-	@mkdir -p $(dir $@)
-	@echo "nvcc $<"
-	@$(NVCC_BIN) $(NVCC_FLAGS) -c $< -o $@
+	$(call compile,nvcc,$(NVCC_BIN) $(NVCC_FLAGS) -c $< -o $@)
 
 $(BUILD)/csrc/%.o: csrc/%.cu $(HEADERS)
-	@mkdir -p $(dir $@)
-	@echo "nvcc $<"
-	@$(NVCC_BIN) $(NVCC_FLAGS) -c $< -o $@
+	$(call compile,nvcc,$(NVCC_BIN) $(NVCC_FLAGS) -c $< -o $@)
 
 $(BUILD)/gen/%.o: $(GENDIR)/%.cpp $(HEADERS)
-	@mkdir -p $(dir $@)
-	@echo "g++ $<"
-	@g++ $(CXX_FLAGS) -c $< -o $@
+	$(call compile,g++,g++ $(CXX_FLAGS) -c $< -o $@)
 
 $(BUILD)/csrc/%.o: csrc/%.cpp $(HEADERS) $(GENDIR)/sources.mk
-	@mkdir -p $(dir $@)
-	@echo "g++ $<"
-	@g++ $(CXX_FLAGS) -c $< -o $@
+	$(call compile,g++,g++ $(CXX_FLAGS) -c $< -o $@)
 endif
 
 # ---- tests ---------------------------------------------------------------------------------------
@@ -157,7 +183,8 @@ endif
 # The committed templates and matrices must generate exactly what a fresh run generates.
 check-generated:
 ifeq ($(SKIP_GEN),0)
-	@rm -rf build/check && $(GO) run ./gen --matrix ci --out build/check >/dev/null && $(GO) run ./gen --matrix ci --out build/check --check
+	@$(MAKE) --no-print-directory gen
+	@rm -rf build/check && $(GEN_BIN) --matrix ci --out build/check >/dev/null && $(GEN_BIN) --matrix ci --out build/check --check
 endif
 
 test-python: env

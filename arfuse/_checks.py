@@ -22,11 +22,10 @@ import dataclasses
 import torch
 
 from . import reference
+from ._vocab import DTYPE_NAME_OF, DTYPES  # noqa: F401 (DTYPES: the suites' name -> dtype)
 
 # ‖out − ref‖ / ‖ref‖ bounds per activation dtype (issue 3).
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 # The input forms and options both suites sweep (tests/test_gpu_fused.py, arfuse.dist_check):
 # layout, K, weights, shared, routed_scaling, weight_bias, gamma_f32, absent
@@ -73,7 +72,7 @@ class Case:
     inplace: bool = False
 
     def __str__(self) -> str:
-        d = DTYPE_NAMES[self.dtype]
+        d = DTYPE_NAME_OF[self.dtype]
         s = (f"N{self.world}-H{self.hidden}-{d}-T{self.tokens}-{self.layout}-K{self.topk}-"
              f"w{self.weights}-sh{int(self.shared)}-rs{self.routed_scaling}-wb{self.weight_bias}-"
              f"{self.algorithm}")

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import torch
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from . import _vocab
+
 _registered = False
 
 
 def _comm_dtype_hidden(comm: int):
     info = torch.ops.arfuse.comm_info(comm)
-    return _DTYPES[info[3]], info[2]
+    return _vocab.TORCH_DTYPES[info[3]], info[2]
 
 
 def _shape(expert_out, permuted_idx, residual):

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from . import _bench_bytes as BB
 from . import _bench_report as BR
+from ._cli import HelpFormatter
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 DEFAULT_TOKENS = [1 << i for i in range(14)]  # 1, 2, 4, ..., 8192
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "FlashInfer. Emulated (--emulate: N ranks on one GPU) or under torchrun "
                     "(one GPU per rank).",
         epilog="Implementations: " + ", ".join(f"{k} = {v}" for k, v in BR.IMPL_LABELS.items()),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     shape = p.add_argument_group("problem")
     shape.add_argument("--model", help="model name from variants/models.yaml (gives hidden, "
                        "top_k and, if present, routed_scaling)")
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "1 for --layout plain)")
     shape.add_argument("--world-size", type=int, help="tensor-parallel ranks N (default: 8 "
                        "with --emulate, $WORLD_SIZE under torchrun)")
-    shape.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16")
+    shape.add_argument("--dtype", choices=DTYPE_NAMES, default="bf16", help="activation dtype")
     shape.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)),
                        help="comma list of token counts T")
     shape.add_argument("--layout", choices=BB.LAYOUTS, default="permuted",
@@ -191,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no shared-expert output")
     shape.add_argument("--routed-scaling", type=float, default=None,
                        help="routed_scaling (default: the model's, else 1.0)")
-    shape.add_argument("--eps", type=float, default=1e-6)
+    shape.add_argument("--eps", type=float, default=1e-6, help="RMSNorm epsilon")
     shape.add_argument("--weight-bias", type=float, default=0.0, choices=(0.0, 1.0),
                        help="0: x*gamma; 1: x*(1+gamma)")
     shape.add_argument("--weights-dtype", choices=("fp32", "act"), default="fp32",
@@ -207,14 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--emulate", action="store_true",
                      help="one GPU, N ranks via arfuse.testing.LocalGroup")
     run.add_argument("--impls", default=",".join(ALL_IMPLS),
-                     help="comma list of implementations to time")
+                     help="comma list of implementations to time (default: those listed below; "
+                     "arfuse_q and arfuse_sepq only with --quant)")
     run.add_argument("--tune", action="store_true",
                      help="time one-shot and two-shot only and report the crossover as a "
                      "variants/tuning.yaml row")
     run.add_argument("--out", default="bench-out", help="output directory")
     run.add_argument("--name", help="stem of the output files (default: from the problem)")
     run.add_argument("--no-plot", dest="plot", action="store_false", help="no PNG plot")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
     t = p.add_argument_group("timing")
     t.add_argument("--replays", type=int, default=100, help="timed graph replays (>= 50)")

@@ -12,7 +12,7 @@ import socket
 
 import torch
 
-from . import _lib
+from . import _lib, _vocab
 
 
 def _op(name: str, *args):
@@ -166,7 +166,7 @@ class Communicator:
         # waits for all of them.
         self._has_peers, self._peer_group = False, None
         self.rank, self.world_size, self.hidden = info[0], info[1], info[2]
-        self.dtype = (torch.bfloat16, torch.float16, torch.float32)[info[3]]
+        self.dtype = _vocab.TORCH_DTYPES[info[3]]
         self.max_tokens, self.oneshot_max_tokens = info[4], info[5]
         self.ranks_per_device = info[6]
         self.device = torch.device("cuda", info[7]) if info[7] >= 0 else torch.device("cpu")

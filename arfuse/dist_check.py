@@ -113,6 +113,8 @@ class DistCheckError(Exception):
 # ============================================================================ arguments
 
 def build_parser() -> argparse.ArgumentParser:
+    from ._cli import HelpFormatter
+
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m arfuse.dist_check",
         description="arfuse's correctness suite with one process per GPU: the real Communicator, "
@@ -120,18 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
                     "against a float64 reference, outputs bitwise identical across ranks, and a "
                     "CUDA graph replayed many times. Writes a JSON report; exit status 1 on any "
                     "failure.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--out", default="dist-check-out", help="directory for the JSON report")
     p.add_argument("--name", help="report file stem (default: dist_check_w<N>)")
     p.add_argument("--replays", type=int, default=None,
-                   help=f"graph replays per algorithm (default {DEFAULT_REPLAYS}, "
+                   help=f"graph replays per algorithm (default: {DEFAULT_REPLAYS}, "
                         f"{QUICK_REPLAYS} with --quick; 0: no graph check)")
     p.add_argument("--quick", action="store_true",
                    help="a subset: one or two shapes per suite (every suite still runs)")
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="the communicators' capacity, also the largest token count checked")
     p.add_argument("--only", default=None,
-                   help="comma list of suites to run (default all): " + ", ".join(SUITES))
+                   help="comma list of suites to run (default: all): " + ", ".join(SUITES))
     p.add_argument("--seed", type=int, default=None,
                    help="base seed (default: drawn by rank 0); case seeds derive from it and the "
                         "case name, so --seed S --only SUITE reproduces a case")
@@ -231,7 +233,8 @@ def build_cases(world: int, *, quick: bool = False, max_tokens: int = DEFAULT_MA
                 specialised=(), suites=SUITES) -> list[DistCase]:
     """The cases of the GPU suites for a world size, in a fixed order (every rank builds the same
     list). The graph check is not a case (see run_graph)."""
-    from ._checks import DTYPES, OPTION_CASES, Case  # OPTION_CASES: the GPU suite's input forms
+    from ._checks import OPTION_CASES, Case  # OPTION_CASES: the GPU suite's input forms
+    from ._vocab import DTYPES, KERNEL_ALGORITHMS
 
     def shapes(suite):
         return SHAPES[suite][1 if quick else 0]
@@ -244,7 +247,7 @@ def build_cases(world: int, *, quick: bool = False, max_tokens: int = DEFAULT_MA
     if "specialised" in suites:
         specs = list(specialised)[:1] if quick else list(specialised)
         for d, hidden in specs:
-            for algo in ("oneshot", "twoshot"):
+            for algo in KERNEL_ALGORITHMS:
                 out.append(DistCase("specialised", Case(N, hidden, DTYPES[d], T(17), "dense", 8,
                                                         "f32", True, 2.5, algorithm=algo)))
                 out.append(DistCase("specialised", Case(N, hidden, DTYPES[d], T(128), "permuted",
@@ -253,32 +256,32 @@ def build_cases(world: int, *, quick: bool = False, max_tokens: int = DEFAULT_MA
     if "token_counts" in suites:
         for hidden, d in shapes("token_counts"):
             for t in token_counts(max_tokens):
-                for algo in ("oneshot", "twoshot", "auto"):
+                for algo in (*KERNEL_ALGORITHMS, "auto"):
                     out.append(DistCase("token_counts", Case(N, hidden, DTYPES[d], t, "permuted",
                                                              8, "f32", True, 1.0, absent=0.25,
                                                              algorithm=algo)))
     if "forms" in suites:
         for hidden, d in shapes("forms"):
             for layout, k, w, sh, rs, wb, g32, absent in OPTION_CASES:
-                for algo in ("oneshot", "twoshot"):
+                for algo in KERNEL_ALGORITHMS:
                     out.append(DistCase("forms", Case(N, hidden, DTYPES[d], T(33), layout, k, w,
                                                       sh, rs, wb, g32, absent, algorithm=algo)))
     if "generic" in suites:
         for hidden, d in shapes("generic"):
-            for algo in ("oneshot", "twoshot"):
+            for algo in KERNEL_ALGORITHMS:
                 out.append(DistCase("generic", Case(N, hidden, DTYPES[d], T(40), "dense", 4, "f32",
                                                     True, 1.0, algorithm=algo)))
     if "specials" in suites and max_tokens >= 3:
         for hidden, d in shapes("specials"):
             for layout in ("plain", "dense", "permuted"):
-                for algo in ("oneshot", "twoshot"):
+                for algo in KERNEL_ALGORITHMS:
                     out.append(DistCase("specials", Case(
                         N, hidden, DTYPES[d], T(9), layout, 1 if layout == "plain" else 4,
                         None if layout == "plain" else "f32", True, 1.0, specials=True,
                         absent=0.2 if layout == "permuted" else 0, algorithm=algo)))
     if "inplace" in suites:
         for hidden, d in shapes("inplace"):
-            for algo in ("oneshot", "twoshot"):
+            for algo in KERNEL_ALGORITHMS:
                 out.append(DistCase("inplace", Case(N, hidden, DTYPES[d], T(64), "plain", 1, None,
                                                     True, 1.0, inplace=True, algorithm=algo),
                                     kind="inplace"))
@@ -290,13 +293,13 @@ def build_cases(world: int, *, quick: bool = False, max_tokens: int = DEFAULT_MA
                                 kind="oneshot_twoshot"))
     if "fp8_static" in suites:
         for hidden, d in shapes("fp8_static"):
-            for algo in ("oneshot", "twoshot"):
+            for algo in KERNEL_ALGORITHMS:
                 out.append(DistCase("fp8_static", Case(N, hidden, DTYPES[d], T(50), "permuted", 8,
                                                        "f32", True, 1.0, absent=0.2, fp8=True,
                                                        algorithm=algo), fp8_scale=FP8_SCALE))
     if "no_residual" in suites:
         for hidden, d in shapes("no_residual"):
-            for algo in ("oneshot", "twoshot"):
+            for algo in KERNEL_ALGORITHMS:
                 out.append(DistCase("no_residual", Case(N, hidden, DTYPES[d], T(21), "plain", 1,
                                                         None, True, 1.0, algorithm=algo),
                                     kind="no_residual"))
@@ -310,9 +313,9 @@ def case_seed(base: int, name: str) -> int:
 # ============================================================================ report
 
 def dtype_key(case) -> str:
-    from ._checks import DTYPE_NAMES
+    from ._vocab import DTYPE_NAME_OF
 
-    d = DTYPE_NAMES[case.dtype]
+    d = DTYPE_NAME_OF[case.dtype]
     return f"fp8_e4m3 (from {d})" if case.fp8 else d
 
 
@@ -539,17 +542,17 @@ class Runner:
         if self.fake:
             return None
         import arfuse
-        from ._checks import DTYPE_NAMES
+        from ._vocab import DTYPE_NAME_OF, KERNEL_ALGORITHMS
 
         output = "fp8_static" if case.fp8 else "norm"
-        algos = ["oneshot", "twoshot"] if "auto" in algorithms else algorithms
+        algos = list(KERNEL_ALGORITHMS) if "auto" in algorithms else algorithms
         for a in algos:
             try:
                 name = arfuse.instance_for(case.dtype, case.hidden, case.world, a, output)
             except Exception as e:  # a size no instance can serve
                 return f"not served: {_err(e)}"
             if name is None:
-                return (f"not in this build: {DTYPE_NAMES[case.dtype]} hidden {case.hidden} "
+                return (f"not in this build: {DTYPE_NAME_OF[case.dtype]} hidden {case.hidden} "
                         f"world {case.world} {a} {output}")
         return None
 
@@ -763,13 +766,14 @@ def run_graph(runner, seed: int, replays: int, quick: bool) -> dict:
     import torch
 
     import arfuse
-    from ._checks import (DTYPES, Case, bits, check_against_reference, check_bitwise_equal,
-                          make_inputs, reference_for)
+    from ._checks import (Case, bits, check_against_reference, check_bitwise_equal, make_inputs,
+                          reference_for)
+    from ._vocab import DTYPES, KERNEL_ALGORITHMS
 
     hidden, d = SHAPES["graph"][1 if quick else 0][0]
     case = Case(runner.world, hidden, DTYPES[d], min(17, runner.args.max_tokens), "permuted", 8,
                 "f32", True, 1.0, absent=0.2)
-    algos = ["oneshot", "twoshot"]
+    algos = list(KERNEL_ALGORITHMS)
     res = {"case": str(case), "seed": seed, "replays": replays, "algorithms": algos}
     if replays == 0:
         return {**res, "status": "skipped", "reason": "--replays 0"}

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _lib
+from . import _lib, _vocab
+from ._vocab import QUANT_KINDS
 from .comm import Communicator
 
-_ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2}
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_ALGORITHMS = _vocab.ALGORITHMS
+_DTYPES = _vocab.DTYPES
 
 
 def _algorithm(algorithm) -> int:
@@ -32,11 +33,10 @@ def _handle(comm) -> int:
     raise TypeError(f"arfuse: comm: want an arfuse.Communicator, got {type(comm).__name__}")
 
 
-# The quantized output kinds of moe_finalize_allreduce_rmsnorm(quant=...).
-QUANT_KINDS = ("fp8_static", "fp8_token", "fp8_group128")
+# QUANT_KINDS (from _vocab): the quantized output kinds of moe_finalize_allreduce_rmsnorm(quant=...).
 _QUANTS = QUANT_KINDS
 _SCALE_LAYOUTS = ("row", "col")
-_OUTPUTS = {"norm": 0, "fp8_static": 1, "fp8_token": 2, "fp8_group128": 3}
+_OUTPUTS = _vocab.OUTPUTS
 
 
 def _quant_kind(quant, fp8_scale, scale_ub, scale_layout, scale_ue8m0):
@@ -126,7 +126,7 @@ def moe_finalize_allreduce_rmsnorm(comm, expert_out, residual, gamma, eps, *, pe
         if kind in ("fp8_token", "fp8_group128"):
             return torch.ops.arfuse.fused_fp8_dynamic(
                 expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, float(eps),
-                float(weight_bias), float(routed_scaling), 0 if kind == "fp8_token" else 128,
+                float(weight_bias), float(routed_scaling), _vocab.QUANT_GROUP_SIZES.get(kind, 0),
                 scale_ub, scale_layout == "col", bool(scale_ue8m0), handle, algo)
         return torch.ops.arfuse.fused(expert_out, permuted_idx, expert_weights, shared_out,
                                       residual, gamma, float(eps), float(weight_bias),
@@ -175,7 +175,7 @@ def instance_for(dtype, hidden: int, world_size: int, algorithm: str = "oneshot"
 
 def supported(dtype, hidden: int, world_size: int) -> bool:
     """Whether some kernel instance serves (dtype, hidden, world_size) with the norm output."""
-    return any(instance_for(dtype, hidden, world_size, a) for a in ("oneshot", "twoshot"))
+    return any(instance_for(dtype, hidden, world_size, a) for a in _vocab.KERNEL_ALGORITHMS)
 
 
 def oneshot_threshold(dtype, hidden: int, world_size: int) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ._vocab import QUANT_GROUP
+
 
 def finalize(expert_out, *, num_tokens, permuted_idx=None, expert_weights=None, shared_out=None,
              routed_scaling=1.0, acc=torch.float32):
@@ -77,7 +79,7 @@ def quantize_fp8_static(norm, scale):
 FP8_MAX = 448.0                      # largest finite float8_e4m3fn
 FP8_TOKEN_MIN_SCALE = 1.0 / (448.0 * 512.0)
 FP8_GROUP_MIN_AMAX = 1e-10
-FP8_GROUP = 128
+FP8_GROUP = QUANT_GROUP
 
 
 def float32_range(y):

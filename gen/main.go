@@ -1,14 +1,18 @@
 // Command gen generates the arfuse kernel instances, their dispatch table and the torch op
 // registration from a variant matrix.
 //
-//	go run ./gen [--matrix FILE|NAME] [--out DIR] [--only GLOB]... [--list] [--check]
+//	make gen    # builds build/bin/gen (go build -o build/bin/gen ./gen)
+//	build/bin/gen [--matrix FILE|NAME] [--out DIR] [--only GLOB]... [--list] [--check]
+//	              [--tuning FILE] [--models FILE]
 //
-// It runs in four steps: model (model.go: strict YAML → validated matrix, models, tuning), plan
-// (plan.go: one kernel shape per variant), render (render.go + templates/cuda: files in memory)
-// and write (write.go: only changed files, stale generated files removed).
+// It runs in four steps: model (model.go: strict YAML → matrix, models, tuning, each value with
+// where it was written), plan (plan.go: every feasibility rule, one kernel shape per variant),
+// render (render.go + templates/cuda: files in memory) and write (write.go: only changed files,
+// stale generated files removed).
 //
 // Exit status: 0 success, 1 --check found differences, 2 bad input (one line on stderr naming
-// file, field, value and the rule broken) or an I/O error.
+// file, field, value and the rule broken) or an I/O error. These are the binary's; `go run ./gen`
+// reports every non-zero status as 1 and adds its own "exit status N" line.
 package main
 
 import (
@@ -27,14 +31,15 @@ func main() {
 	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
 }
 
-const usageHead = `Usage: go run ./gen [flags]
+const usageHead = `Usage: build/bin/gen [flags]    (make gen builds it)
 
 Generates the arfuse kernel instances (one .cu per variant), the dispatch table, the torch op
 registration, manifest.json and sources.mk from a variant matrix. Unchanged files are not
 rewritten; generated files no longer emitted are deleted (files without the generated header
 are never touched).
 
-Exit status: 0 success, 1 --check found differences, 2 bad input or I/O error.
+Exit status: 0 success, 1 --check found differences, 2 bad input or I/O error (the binary's;
+go run ./gen turns every non-zero status into 1).
 
 Flags:
 `
@@ -123,6 +128,9 @@ func generate(o options, stdout, stderr io.Writer) error {
 	// Plan.
 	variants, err := expand(matrix)
 	if err != nil {
+		return err
+	}
+	if err := checkTuning(tuning); err != nil {
 		return err
 	}
 	if variants, err = filterOnly(variants, o.only, mpath); err != nil {

@@ -5,6 +5,7 @@ import (
 	"flag"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -332,5 +333,51 @@ func TestAPIVersionMatchesParamsH(t *testing.T) {
 	}
 	if v, _ := strconv.Atoi(string(m[1])); v != apiVersion {
 		t.Errorf("csrc/arfuse/params.h has ARFUSE_DEVICE_API_VERSION %d, the generator %d", v, apiVersion)
+	}
+}
+
+// The exit statuses the README documents hold for the way it tells people to run the generator:
+// the binary that make gen builds (go build -o build/bin/gen ./gen), run from the repository root.
+// (go run would report each non-zero status as 1 and print "exit status N" after the message.)
+func TestBinaryExitStatus(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds the binary")
+	}
+	bin := filepath.Join(t.TempDir(), "gen")
+	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	repoRoot(t)
+	out := t.TempDir()
+	bad, _ := os.ReadFile("gen/testdata/bad_dtype/stderr.txt")
+	for _, c := range []struct {
+		args   []string
+		code   int
+		stderr string // exact; "*" for anything non-empty
+	}{
+		{[]string{"--help"}, 0, ""},
+		{[]string{"--list", "--matrix", "ci"}, 0, ""},
+		{[]string{"--matrix", "ci", "--out", out}, 0, ""},
+		{[]string{"--matrix", "ci", "--out", out, "--check"}, 0, ""},
+		{[]string{"--matrix", "default", "--out", out, "--check"}, 1, "*"},
+		{[]string{"--matrix", "gen/testdata/bad_dtype/matrix.yaml", "--models", "gen/testdata/models.yaml", "--tuning", "gen/testdata/tuning.yaml", "--out", out}, 2, "gen/" + string(bad)},
+		{[]string{"--nope"}, 2, "gen: unknown flag: --nope (see --help)\n"},
+	} {
+		cmd := exec.Command(bin, c.args...)
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		err := cmd.Run()
+		code := 0
+		if ee, ok := err.(*exec.ExitError); ok {
+			code = ee.ExitCode()
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		if code != c.code || (c.stderr == "*" && stderr.Len() == 0) || (c.stderr != "*" && stderr.String() != c.stderr) {
+			t.Errorf("gen %s: exit %d, stderr %q; want exit %d, stderr %q", strings.Join(c.args, " "), code, stderr.String(), c.code, c.stderr)
+		}
+		if strings.Contains(stderr.String(), "exit status") {
+			t.Errorf("gen %s: stderr has an \"exit status\" line: %q", strings.Join(c.args, " "), stderr.String())
+		}
 	}
 }

@@ -1,7 +1,10 @@
 package main
 
-// The model: the three input files, read strictly and validated, with every value already
-// resolved against the tables. Nothing here decides a kernel shape; that is plan.go.
+// The model: the three input files (models, matrix, tuning) read strictly, every name resolved
+// against the tables (tables.go) and every value kept with the place it came from (Where). The
+// model only parses: whether a hidden size can be built (range, vector width, registers,
+// quantization groups) is the plan's rule (plan.go), reported at the Where the model recorded.
+// Nothing in this file refers to plan.go.
 
 import (
 	"fmt"
@@ -22,9 +25,6 @@ type Model struct {
 	TopK    int
 	Experts int
 }
-
-// maxTopK mirrors arfuse::kMaxTopK in csrc/arfuse/params.h.
-const maxTopK = 64
 
 var modelNameRE = regexp.MustCompile(`^[a-z0-9]+([.-][a-z0-9]+)*$`)
 var hfIDRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$`)
@@ -121,9 +121,27 @@ type Group struct {
 type HiddenEntry struct {
 	Hidden int
 	Model  string // "" for a raw size
-	Path   string
-	Line   int
-	Value  string
+	At     Where
+}
+
+// Where is the place of one value in an input file: what a rule checked after parsing (by the
+// plan) needs to report the entry that asked for it.
+type Where struct {
+	File  string
+	Line  int
+	Path  string // groups[0].hidden[1]
+	Value string // as written, strings quoted
+}
+
+// Errorf is an InputError at w.
+func (w Where) Errorf(rule string, args ...any) *InputError {
+	return &InputError{File: w.File, Line: w.Line, Path: w.Path, Value: w.Value, Rule: fmt.Sprintf(rule, args...)}
+}
+
+// where records the place of the scalar n.
+func (d *doc) where(n *yaml.Node, path string) Where {
+	n = resolve(n)
+	return Where{File: d.file, Line: n.Line, Path: path, Value: scalarText(n)}
 }
 
 // GenericSpec says which generic instances to emit: Auto derives them from the groups; Groups
@@ -213,7 +231,7 @@ func (d *doc) group(n *yaml.Node, path string, models []*Model) (*Group, error) 
 			if idx < 0 {
 				return nil, d.errAt(resolve(nodes[i]), p, "unknown model (want one of %s)", strings.Join(modelNames(models), ", "))
 			}
-			g.Hiddens = append(g.Hiddens, HiddenEntry{Hidden: models[idx].Hidden, Model: name, Path: p, Line: resolve(nodes[i]).Line, Value: scalarText(resolve(nodes[i]))})
+			g.Hiddens = append(g.Hiddens, HiddenEntry{Hidden: models[idx].Hidden, Model: name, At: d.where(nodes[i], p)})
 		}
 	}
 	if hn, ok := f["hidden"]; ok {
@@ -222,7 +240,7 @@ func (d *doc) group(n *yaml.Node, path string, models []*Model) (*Group, error) 
 			return nil, err
 		}
 		for i, h := range sizes {
-			g.Hiddens = append(g.Hiddens, HiddenEntry{Hidden: h, Path: index(join(path, "hidden"), i), Line: resolve(nodes[i]).Line, Value: fmt.Sprint(h)})
+			g.Hiddens = append(g.Hiddens, HiddenEntry{Hidden: h, At: d.where(nodes[i], index(join(path, "hidden"), i))})
 		}
 	}
 	if len(g.Hiddens) == 0 {
@@ -251,59 +269,7 @@ func (d *doc) group(n *yaml.Node, path string, models []*Model) (*Group, error) 
 	if g.Outs, err = d.outList(f["outputs"], join(path, "outputs")); err != nil {
 		return nil, err
 	}
-	if err := d.checkGroups(g); err != nil {
-		return nil, err
-	}
 	return g, nil
-}
-
-// checkGroups rejects a group that asks for a grouped output kind (fp8_group128) at a hidden
-// size whose specialised plan cannot serve it, at the hidden entry that asked for it.
-func (d *doc) checkGroups(g *Group) error {
-	for _, o := range g.Outs {
-		if o.Group == 0 {
-			continue
-		}
-		for _, h := range g.Hiddens {
-			for _, dt := range g.DTypes {
-				for _, algo := range g.Algos {
-					rule := groupRule(dt, h.Hidden, algo, o)
-					if rule == "" {
-						continue
-					}
-					if h.Model != "" {
-						rule = fmt.Sprintf("hidden %d of this model: %s", h.Hidden, rule)
-					}
-					return &InputError{File: d.file, Line: h.Line, Path: h.Path, Value: h.Value, Rule: rule}
-				}
-			}
-		}
-	}
-	return nil
-}
-
-// groupRule returns why a specialised variant of output kind o (with quantization groups)
-// cannot be built at this hidden size, or "" if it can. The kernel reduces a group's amax over
-// Group/Vec aligned consecutive lanes of one warp (csrc/arfuse/kernel.cuh, write_norm), so the
-// row must be whole groups and each CTA's slice of it, and the threads per token, whole groups
-// of vectors. A hidden size the plan rejects for another reason is left to the plan's error.
-func groupRule(dt *DType, hidden int, algo *Algo, o *OutKind) string {
-	if o.Group == 0 {
-		return ""
-	}
-	if hidden%o.Group != 0 {
-		return fmt.Sprintf("%s needs a hidden size that is a multiple of %d (one FP8 scale per group of %d elements)", o.Name, o.Group, o.Group)
-	}
-	p, err := planSpecialised(dt, hidden, algo)
-	if err != nil {
-		return ""
-	}
-	gv := o.Group / p.Vec
-	if p.Slice%gv != 0 || p.ThreadsPerToken%gv != 0 {
-		return fmt.Sprintf("%s: the %s %s plan gives each CTA %d vectors and %d threads per token, not whole groups of %d vectors (%d elements)",
-			o.Name, dt.Name, algo.Name, p.Slice, p.ThreadsPerToken, gv, o.Group)
-	}
-	return ""
 }
 
 func (d *doc) genericGroup(n *yaml.Node, path string) (*GenericGroup, error) {
@@ -341,31 +307,27 @@ func (d *doc) nameList(n *yaml.Node, path, what string, want []string) ([]string
 	return names, nil
 }
 
-func (d *doc) dtypeList(n *yaml.Node, path string) ([]*DType, error) {
-	names, err := d.nameList(n, path, "dtype", dtypeNames())
-	var out []*DType
+// tableList reads a non-empty list of names of table entries (dtypes, algorithms, output kinds)
+// and returns the entries.
+func tableList[T interface{ name() string }](d *doc, n *yaml.Node, path, what string, table []T) ([]T, error) {
+	names, err := d.nameList(n, path, what, namesOf(table))
+	var out []T
 	for _, s := range names {
-		out = append(out, dtypeByName(s))
+		out = append(out, byName(table, s))
 	}
 	return out, err
+}
+
+func (d *doc) dtypeList(n *yaml.Node, path string) ([]*DType, error) {
+	return tableList(d, n, path, "dtype", dtypes)
 }
 
 func (d *doc) algoList(n *yaml.Node, path string) ([]*Algo, error) {
-	names, err := d.nameList(n, path, "algorithm", algoNames())
-	var out []*Algo
-	for _, s := range names {
-		out = append(out, algoByName(s))
-	}
-	return out, err
+	return tableList(d, n, path, "algorithm", algos)
 }
 
 func (d *doc) outList(n *yaml.Node, path string) ([]*OutKind, error) {
-	names, err := d.nameList(n, path, "output kind", outKindNames())
-	var out []*OutKind
-	for _, s := range names {
-		out = append(out, outKindByName(s))
-	}
-	return out, err
+	return tableList(d, n, path, "output kind", outKinds)
 }
 
 func modelNames(models []*Model) []string {
@@ -402,6 +364,7 @@ type Threshold struct {
 	Hidden           int
 	World            int
 	OneshotMaxTokens int
+	HiddenAt         Where // where Hidden was written (the plan checks it)
 }
 
 var dateRE = regexp.MustCompile(`^\d{4}-\d{2}-\d{2}$`)
@@ -465,9 +428,7 @@ func loadTuning(path string) (*Tuning, error) {
 		if r.Hidden, err = d.integer(f["hidden"], join(p, "hidden")); err != nil {
 			return nil, err
 		}
-		if rule := hiddenRule(r.DType, r.Hidden); rule != "" {
-			return nil, d.errAt(resolve(f["hidden"]), join(p, "hidden"), "%s", rule)
-		}
+		r.HiddenAt = d.where(f["hidden"], join(p, "hidden"))
 		if r.World, err = d.integer(f["world_size"], join(p, "world_size")); err != nil {
 			return nil, err
 		}

@@ -1,6 +1,9 @@
 package main
 
 import (
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -232,7 +235,11 @@ thresholds:
 			`:7: thresholds[1]: duplicate row: thresholds[0] has the same dtype, hidden and world_size`},
 	}
 	for _, c := range cases {
-		_, err := loadTuning(writeTemp(t, dir, "t.yaml", c.text))
+		// Parsed by the model, the hidden size checked by the plan.
+		tu, err := loadTuning(writeTemp(t, dir, "t.yaml", c.text))
+		if err == nil {
+			err = checkTuning(tu)
+		}
 		if got := stripFile(err); got != c.want {
 			t.Errorf("tuning %q:\n got %s\nwant %s", c.text, got, c.want)
 		}
@@ -259,4 +266,58 @@ func TestModels(t *testing.T) {
 			t.Errorf("models %q:\n got %s\nwant %s", c.text, got, c.want)
 		}
 	}
+}
+
+// The model parses and records where; the plan decides. No identifier declared in plan.go is
+// used in model.go (an arrow from the model back up into the plan is what this forbids).
+func TestModelDoesNotReachIntoPlan(t *testing.T) {
+	fset := token.NewFileSet()
+	plan, err := parser.ParseFile(fset, "plan.go", nil, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	declared := map[string]bool{}
+	for _, d := range plan.Decls {
+		switch d := d.(type) {
+		case *ast.FuncDecl:
+			if d.Recv == nil {
+				declared[d.Name.Name] = true
+			}
+		case *ast.GenDecl:
+			for _, s := range d.Specs {
+				switch s := s.(type) {
+				case *ast.TypeSpec:
+					declared[s.Name.Name] = true
+				case *ast.ValueSpec:
+					for _, n := range s.Names {
+						declared[n.Name] = true
+					}
+				}
+			}
+		}
+	}
+	if !declared["planSpecialised"] || !declared["hiddenRule"] || !declared["Plan"] {
+		t.Fatalf("plan.go declarations not found: %v", declared)
+	}
+	model, err := parser.ParseFile(fset, "model.go", nil, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	skip := map[*ast.Ident]bool{} // field names: x.Name and Name: in a composite literal
+	ast.Inspect(model, func(n ast.Node) bool {
+		switch n := n.(type) {
+		case *ast.SelectorExpr:
+			skip[n.Sel] = true
+		case *ast.KeyValueExpr:
+			if id, ok := n.Key.(*ast.Ident); ok {
+				skip[id] = true
+			}
+		case *ast.Ident:
+			// Obj != nil: declared in model.go itself (a local, or a package-level name there).
+			if !skip[n] && n.Obj == nil && declared[n.Name] {
+				t.Errorf("%s: model.go uses %s, declared in plan.go", fset.Position(n.Pos()), n.Name)
+			}
+		}
+		return true
+	})
 }

@@ -2,7 +2,11 @@ package main
 
 // The plan: every per-variant decision the device code relies on (vector width, cluster size,
 // threads and vectors per token, block shape) is taken here, in Go, and only printed by the
-// templates. Do not change these rules without changing csrc/arfuse/kernel.cuh with them.
+// templates; and every feasibility rule (which hidden sizes can be built for which dtype,
+// algorithm and output kind, a variant produced twice, a tuning row for a size no plan serves)
+// is checked here, reported at the place in the input that the model recorded (Where). Each
+// (dtype, hidden size, algorithm) is planned once (planner). Do not change these rules without
+// changing csrc/arfuse/kernel.cuh with them.
 
 import (
 	"fmt"
@@ -62,8 +66,8 @@ func hiddenRule(dt *DType, hidden int) string {
 // returns why it cannot be built.
 //
 // One-shot serves the small token counts, where latency is one token's: a token's row is split
-// over a thread-block cluster (the largest of 8/4/2 CTAs that divides the row and leaves each CTA
-// at least 128 vectors), so that one token's loads come from several SMs at once. Two-shot serves
+// over a thread-block cluster (the largest of clusterSizes, 8/4/2 CTAs, that divides the row and
+// leaves each CTA at least 128 vectors), so that one token's loads come from several SMs at once. Two-shot serves
 // the large token counts, where there are tokens enough for every SM and throughput is what
 // counts: one CTA per token (no cluster, so no cluster barriers per token and no cluster-shaped
 // limit on co-residency), each thread keeping at least twoShotMinVecs vectors of the row (so that
@@ -87,7 +91,7 @@ func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 		p.VecsPerThread = max(ceilDiv(p.Nvec, twoShotMaxThreads), min(twoShotMinVecs, ceilDiv(p.Nvec, 32)))
 		p.ThreadsPerToken = roundUp(ceilDiv(p.Nvec, p.VecsPerThread), 32)
 	} else { // one-shot, and two-shot rows too long for one CTA's registers
-		for _, c := range []int{8, 4, 2} {
+		for _, c := range clusterSizes {
 			if p.Nvec%c == 0 && p.Nvec/c >= 128 {
 				p.Cluster = c
 				break
@@ -134,9 +138,110 @@ func planGeneric(dt *DType) Plan {
 func roundUp(x, m int) int { return ceilDiv(x, m) * m }
 func ceilDiv(x, m int) int { return (x + m - 1) / m }
 
+// groupSizeRule returns why output kind o (with quantization groups) cannot be built at this
+// hidden size whatever the plan, or "" if it can.
+func groupSizeRule(hidden int, o *OutKind) string {
+	if o.Group != 0 && hidden%o.Group != 0 {
+		return fmt.Sprintf("%s needs a hidden size that is a multiple of %d (one FP8 scale per group of %d elements)", o.Name, o.Group, o.Group)
+	}
+	return ""
+}
+
+// groupPlanRule returns why the specialised plan p cannot serve output kind o, or "" if it can.
+// The kernel reduces a group's amax over Group/Vec aligned consecutive lanes of one warp
+// (csrc/arfuse/kernel.cuh, write_norm), so each CTA's slice of the row, and the threads per
+// token, must be whole groups of vectors.
+func groupPlanRule(dt *DType, algo *Algo, o *OutKind, p Plan) string {
+	if o.Group == 0 {
+		return ""
+	}
+	gv := o.Group / p.Vec
+	if p.Slice%gv != 0 || p.ThreadsPerToken%gv != 0 {
+		return fmt.Sprintf("%s: the %s %s plan gives each CTA %d vectors and %d threads per token, not whole groups of %d vectors (%d elements)",
+			o.Name, dt.Name, algo.Name, p.Slice, p.ThreadsPerToken, gv, o.Group)
+	}
+	return ""
+}
+
+// planKey is what a specialised plan depends on.
+type planKey struct {
+	dt     *DType
+	hidden int
+	algo   *Algo
+}
+
+type planned struct {
+	plan Plan
+	err  error
+}
+
+// planner plans each (dtype, hidden size, algorithm) once, and each dtype's generic instance
+// once, however many groups, world sizes and output kinds ask for it.
+type planner struct {
+	specialised map[planKey]planned
+	generic     map[*DType]Plan
+	calls       int // plans computed (not looked up): one per distinct key
+}
+
+func newPlanner() *planner {
+	return &planner{specialised: map[planKey]planned{}, generic: map[*DType]Plan{}}
+}
+
+func (pl *planner) plan(dt *DType, hidden int, algo *Algo) (Plan, error) {
+	k := planKey{dt, hidden, algo}
+	r, ok := pl.specialised[k]
+	if !ok {
+		pl.calls++
+		r.plan, r.err = planSpecialised(dt, hidden, algo)
+		pl.specialised[k] = r
+	}
+	return r.plan, r.err
+}
+
+func (pl *planner) planGeneric(dt *DType) Plan {
+	p, ok := pl.generic[dt]
+	if !ok {
+		pl.calls++
+		p = planGeneric(dt)
+		pl.generic[dt] = p
+	}
+	return p
+}
+
+// hiddenError reports a rule broken by hidden entry h, naming the model whose size it is.
+func hiddenError(h HiddenEntry, rule string) error {
+	if h.Model != "" {
+		rule = fmt.Sprintf("hidden %d of this model: %s", h.Hidden, rule)
+	}
+	return h.At.Errorf("%s", rule)
+}
+
+// groupPlan plans hidden entry h of a group for dt and algo, checking it against every output
+// kind outs asks for: a size no quantization group fits first, then the plan's own rules, then
+// the groups against the plan.
+func (pl *planner) groupPlan(dt *DType, h HiddenEntry, algo *Algo, outs []*OutKind) (Plan, error) {
+	for _, o := range outs {
+		if rule := groupSizeRule(h.Hidden, o); rule != "" {
+			return Plan{}, hiddenError(h, rule)
+		}
+	}
+	p, err := pl.plan(dt, h.Hidden, algo)
+	if err != nil {
+		return Plan{}, hiddenError(h, err.Error())
+	}
+	for _, o := range outs {
+		if rule := groupPlanRule(dt, algo, o, p); rule != "" {
+			return Plan{}, hiddenError(h, rule)
+		}
+	}
+	return p, nil
+}
+
 // expand turns a matrix into its variants, sorted by name. A variant produced twice, a hidden
 // size the plan rejects and a matrix that produces nothing are errors located in the file.
-func expand(m *Matrix) ([]*Variant, error) {
+func expand(m *Matrix) ([]*Variant, error) { return newPlanner().expand(m) }
+
+func (pl *planner) expand(m *Matrix) ([]*Variant, error) {
 	type origin struct {
 		path string
 		line int
@@ -181,13 +286,9 @@ func expand(m *Matrix) ([]*Variant, error) {
 			plans := map[key]Plan{}
 			for _, h := range g.Hiddens {
 				for _, algo := range g.Algos {
-					p, err := planSpecialised(dt, h.Hidden, algo)
+					p, err := pl.groupPlan(dt, h, algo, g.Outs)
 					if err != nil {
-						rule := err.Error()
-						if h.Model != "" {
-							rule = fmt.Sprintf("hidden %d of this model: %s", h.Hidden, rule)
-						}
-						return nil, &InputError{File: m.File, Line: h.Line, Path: h.Path, Value: h.Value, Rule: rule}
+						return nil, err
 					}
 					plans[key{h.Hidden, algo}] = p
 				}
@@ -217,7 +318,7 @@ func expand(m *Matrix) ([]*Variant, error) {
 	generic := func(c combo, o origin) error {
 		return add(&Variant{
 			Name: genericName(c.dt, c.algo, c.out), Generic: true, DType: c.dt,
-			Algo: c.algo, Out: c.out, Plan: planGeneric(c.dt),
+			Algo: c.algo, Out: c.out, Plan: pl.planGeneric(c.dt),
 		}, o)
 	}
 	if m.Generic.Auto {
@@ -240,4 +341,15 @@ func expand(m *Matrix) ([]*Variant, error) {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out, nil
+}
+
+// checkTuning applies the plan's hidden-size rule to every measured threshold row: a row for a
+// size no specialised plan serves is a mistake in the tuning file.
+func checkTuning(t *Tuning) error {
+	for _, r := range t.Rows {
+		if rule := hiddenRule(r.DType, r.Hidden); rule != "" {
+			return r.HiddenAt.Errorf("%s", rule)
+		}
+	}
+	return nil
 }

@@ -133,3 +133,45 @@ func TestNames(t *testing.T) {
 		t.Errorf("fp8 name %q", got)
 	}
 }
+
+// Each (dtype, hidden size, algorithm) is planned once, however many groups, world sizes and
+// output kinds (fp8_group128 among them, whose rule needs the plan) ask for it; each dtype's
+// generic instance once.
+func TestPlannedOnce(t *testing.T) {
+	p := writeTemp(t, t.TempDir(), "m.yaml", `
+groups:
+  - models: [deepseek-v3, deepseek-r1]
+    hidden: [2048]
+    dtypes: [bf16, fp16]
+    world_sizes: [2, 8]
+    algorithms: [oneshot, twoshot]
+    outputs: [norm, fp8_token, fp8_group128]
+  - hidden: [7168, 4096]
+    dtypes: [bf16]
+    world_sizes: [4]
+    algorithms: [oneshot, twoshot]
+    outputs: [fp8_group128, fp8_static]
+generic: true
+`)
+	m, err := loadMatrix(p, testModels(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	pl := newPlanner()
+	vs, err := pl.expand(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Specialised: {7168, 2048} x {bf16, fp16} x 2 algorithms, plus 4096 bf16 x 2; generic: bf16, fp16.
+	if want := 2*2*2 + 2 + 2; pl.calls != want {
+		t.Errorf("%d plans computed for %d variants, want %d (one per distinct key)", pl.calls, len(vs), want)
+	}
+	for _, v := range vs {
+		if v.Generic {
+			continue
+		}
+		if want, _ := planSpecialised(v.DType, v.Hidden, v.Algo); v.Plan != want {
+			t.Errorf("%s: plan %+v, want %+v", v.Name, v.Plan, want)
+		}
+	}
+}

@@ -14,8 +14,6 @@ import (
 	"strings"
 	"text/template"
 
-	"github.com/Masterminds/sprig/v3"
-
 	"github.com/arfuse/arfuse/templates"
 )
 
@@ -43,28 +41,17 @@ func (f Files) Add(p string, data []byte) error {
 	return nil
 }
 
-// funcMap is sprig's text functions minus every one whose output depends on the clock, the
-// environment, the host, the OS path rules, randomness or map order, plus a fail helper.
+// funcMap is every function the templates may call besides text/template's builtins (len, not,
+// ...): an allow-list, not a library minus a deny-list. The templates only print what the plan
+// decided, so they need no string or math helpers; a function that is not listed here cannot
+// slip in (sprig's 200-odd functions include the clock, the environment, randomness and map
+// order, and each release could add another one a deny-list would miss). TestTemplateFuncs
+// checks that the templates call nothing else and that every function listed is called.
 func funcMap() template.FuncMap {
-	fm := sprig.TxtFuncMap()
-	for name := range fm {
-		switch {
-		case strings.HasPrefix(name, "date"), strings.HasPrefix(name, "rand"),
-			strings.HasPrefix(name, "uuid"), strings.HasPrefix(name, "gen"),
-			strings.HasPrefix(name, "os"), strings.HasPrefix(name, "htmlDate"),
-			strings.Contains(name, "Date"), strings.Contains(name, "_date"):
-			delete(fm, name)
-		}
+	return template.FuncMap{
+		// fail stops rendering with msg (ent's helper): a template's guard on its data.
+		"fail": func(msg string) (string, error) { return "", errors.New(msg) },
 	}
-	for _, name := range []string{
-		"env", "expandenv", "now", "ago", "toDate", "mustToDate", "unixEpoch", "duration",
-		"durationRound", "getHostByName", "shuffle", "keys", "values", "bcrypt", "htpasswd",
-		"derivePassword", "buildCustomCert", "encryptAES", "decryptAES",
-	} {
-		delete(fm, name)
-	}
-	fm["fail"] = func(msg string) (string, error) { return "", errors.New(msg) }
-	return fm
 }
 
 // loadTemplates parses every embedded template once.
@@ -99,7 +86,7 @@ type Gen struct {
 	Keys       []KeyBlock
 }
 
-// KeyBlock is one TORCH_LIBRARY_IMPL block: the ops implemented for one dispatch key.
+// KeyBlock is one STABLE_TORCH_LIBRARY_IMPL block: the ops implemented for one dispatch key.
 type KeyBlock struct {
 	Key   string
 	Impls []OpImpl

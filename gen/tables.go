@@ -1,12 +1,21 @@
 package main
 
+import "slices"
+
 // Spellings live in tables: every name, C++ type and C++ enumerator the generator prints comes
 // from here, so templates never spell a type by hand and the YAML, the file names, the dispatch
-// table and the manifest agree on one vocabulary.
+// table and the manifest agree on one vocabulary. The tables own that vocabulary for the whole
+// repository: the dtypes (with their torch names), the algorithms, the output kinds and the kernel
+// limits. Their copies elsewhere are checked against them by go test ./gen (tables_test.go):
+// csrc/arfuse/params.h (enums, kMaxWorld, kMaxTopK, kQuantGroup), the limits written as literals
+// in csrc/arfuse/kernel.cuh and the vector widths in csrc/dispatch.cpp and csrc/kernels.cu, and
+// arfuse/_vocab.py, the one Python module that spells them.
 
 // apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
 // Every generated C++ file static_asserts on it so that stale output stops compiling.
 const apiVersion = 9
+
+// ---- kernel limits ----------------------------------------------------------------------------
 
 // vectorBytes is the width of one vectorised global-memory access.
 const vectorBytes = 16
@@ -14,8 +23,10 @@ const vectorBytes = 16
 // maxHidden is the largest hidden size the matrix accepts for a specialised instance.
 const maxHidden = 65536
 
-// Generic-instance limits (the device code relies on them): up to 512 threads per token, each
-// holding at most maxVecsPerThread 16-byte vectors of the row in registers.
+// Generic-instance limits (the device code relies on them): up to genericMaxThreads threads per
+// token (kernel.cuh: kBlockThreads and kWarpsPerToken of a generic KernelConfig), each holding at
+// most maxVecsPerThread 16-byte vectors of the row in registers (kernel.cuh: the kVpt
+// static_assert, which holds for specialised plans too).
 const (
 	genericMaxThreads = 512
 	maxVecsPerThread  = 8
@@ -23,10 +34,27 @@ const (
 	twoShotMaxThreads = 512
 )
 
-// DType is one activation dtype. Index is the value of the arfuse::DType enumerator: the order of
-// this table is the order of the enum in csrc/arfuse/params.h.
+// clusterSizes are the thread-block cluster sizes a one-shot row may be split over, largest
+// first (the plan takes the first that fits); kernel.cuh's static_assert accepts these and 1.
+var clusterSizes = []int{8, 4, 2}
+
+// maxWorld is the largest tensor-parallel group a communicator serves: arfuse::kMaxWorld.
+const maxWorld = 16
+
+// maxTopK is the most experts per token a model may route to: arfuse::kMaxTopK.
+const maxTopK = 64
+
+// quantGroup is the elements per group of the fp8_group128 output: arfuse::kQuantGroup.
+const quantGroup = 128
+
+// ---- dtypes, algorithms, output kinds ---------------------------------------------------------
+// Each table's order is the order of its C++ enum in csrc/arfuse/params.h: an entry's position is
+// its enumerator's value, which is also what the torch ops take and return for it.
+
+// DType is one activation dtype.
 type DType struct {
 	Name  string // short name used in YAML and variant names
+	Torch string // torch dtype (torch.bfloat16), the ScalarType the ops take
 	CType string // C++ element type
 	Enum  string // C++ enumerator
 	Size  int    // bytes per element
@@ -36,36 +64,39 @@ type DType struct {
 func (d *DType) Vec() int { return vectorBytes / d.Size }
 
 var dtypes = []*DType{
-	{Name: "bf16", CType: "__nv_bfloat16", Enum: "arfuse::DType::kBF16", Size: 2},
-	{Name: "fp16", CType: "__half", Enum: "arfuse::DType::kFP16", Size: 2},
-	{Name: "fp32", CType: "float", Enum: "arfuse::DType::kFP32", Size: 4},
+	{Name: "bf16", Torch: "bfloat16", CType: "__nv_bfloat16", Enum: "arfuse::DType::kBF16", Size: 2},
+	{Name: "fp16", Torch: "float16", CType: "__half", Enum: "arfuse::DType::kFP16", Size: 2},
+	{Name: "fp32", Torch: "float32", CType: "float", Enum: "arfuse::DType::kFP32", Size: 4},
 }
 
-// Algo is one all-reduce algorithm. arfuse::Algo::kAuto is resolved on the host and is never
-// instantiated, so it is not in the table.
+// Algo is one all-reduce algorithm.
 type Algo struct {
 	Name string
 	Enum string
 }
+
+// algoAuto is arfuse::Algo::kAuto (value 0): resolved on the host from the tuned threshold, so it
+// is never instantiated and not in algos, the algorithms a kernel instance is built for (values
+// 1, 2, ...).
+var algoAuto = &Algo{Name: "auto", Enum: "arfuse::Algo::kAuto"}
 
 var algos = []*Algo{
 	{Name: "oneshot", Enum: "arfuse::Algo::kOneShot"},
 	{Name: "twoshot", Enum: "arfuse::Algo::kTwoShot"},
 }
 
-// OutKind is what the kernel writes after the RMSNorm. Index is the value of the
-// arfuse::OutKind enumerator (csrc/arfuse/params.h).
+// allAlgos is the whole arfuse::Algo enum in value order.
+func allAlgos() []*Algo { return append([]*Algo{algoAuto}, algos...) }
+
+// OutKind is what the kernel writes after the RMSNorm.
 type OutKind struct {
 	Name string
 	Enum string
 	// Group is the elements per quantization group whose scale the kernel reduces over a few
 	// lanes of one warp (0: none). A specialised plan must keep every group within one CTA's
-	// slice of the row and within one warp (see groupRule).
+	// slice of the row and within one warp (see groupPlanRule).
 	Group int
 }
-
-// quantGroup mirrors arfuse::kQuantGroup in csrc/arfuse/params.h.
-const quantGroup = 128
 
 var outKinds = []*OutKind{
 	{Name: "norm", Enum: "arfuse::OutKind::kNorm"},
@@ -74,9 +105,11 @@ var outKinds = []*OutKind{
 	{Name: "fp8_group128", Enum: "arfuse::OutKind::kFP8Group128", Group: quantGroup},
 }
 
-// worldSizes are the tensor-parallel group sizes a specialised instance may be built for
-// (arfuse::kMaxWorld is 16).
+// worldSizes are the tensor-parallel group sizes a specialised instance may be built for (the
+// generic instances serve any size up to maxWorld).
 var worldSizes = []int{2, 4, 8, 16}
+
+// ---- torch ops --------------------------------------------------------------------------------
 
 // Op is one torch operator: its schema and the arfuse::ops functions that implement it, one per
 // dispatch key. Registered on the PyTorch stable ABI: the schema with m.def() in
@@ -97,9 +130,10 @@ type OpKernel struct {
 // dispatchKeys is the order of the STABLE_TORCH_LIBRARY_IMPL blocks. The stable ABI has no
 // catch-all registration (the CatchAll key fails to parse at load): ops that must run whatever
 // their inputs (tensor-less ones, the validation the CPU implementation calls) are registered on
-// CompositeExplicitAutograd. Fake (Meta) and CPU implementations of the fused ops are registered
-// from Python (arfuse/_fake.py, arfuse/_cpu.py) with torch.library, so that torch.compile keeps
-// the token count symbolic.
+// CompositeExplicitAutograd. Nothing is registered here for tracing or for the CPU: the fake
+// implementations (torch.library.register_fake in arfuse/_fake.py, so that torch.compile keeps
+// the token count symbolic) and the CPU implementation of a world-size-1 communicator
+// (arfuse/_cpu.py) are Python.
 var dispatchKeys = []string{compositeKey, "CUDA"}
 
 const compositeKey = "CompositeExplicitAutograd"
@@ -144,62 +178,34 @@ var ops = []Op{
 	{Name: "oneshot_threshold", Signature: "(ScalarType dtype, int hidden, int world_size) -> int", Kernels: anywhere("oneshot_threshold")},
 }
 
-func dtypeByName(name string) *DType {
-	for _, d := range dtypes {
-		if d.Name == name {
-			return d
+// byName returns the entry of table called name, or nil.
+func byName[T interface{ name() string }](table []T, name string) T {
+	for _, e := range table {
+		if e.name() == name {
+			return e
 		}
 	}
-	return nil
+	var none T
+	return none
 }
 
-func algoByName(name string) *Algo {
-	for _, a := range algos {
-		if a.Name == name {
-			return a
-		}
-	}
-	return nil
-}
-
-func outKindByName(name string) *OutKind {
-	for _, o := range outKinds {
-		if o.Name == name {
-			return o
-		}
-	}
-	return nil
-}
-
-func dtypeNames() []string {
+// namesOf lists the names of a table's entries in table order.
+func namesOf[T interface{ name() string }](table []T) []string {
 	var s []string
-	for _, d := range dtypes {
-		s = append(s, d.Name)
+	for _, e := range table {
+		s = append(s, e.name())
 	}
 	return s
 }
 
-func algoNames() []string {
-	var s []string
-	for _, a := range algos {
-		s = append(s, a.Name)
-	}
-	return s
-}
+func (d *DType) name() string   { return d.Name }
+func (a *Algo) name() string    { return a.Name }
+func (o *OutKind) name() string { return o.Name }
 
-func outKindNames() []string {
-	var s []string
-	for _, o := range outKinds {
-		s = append(s, o.Name)
-	}
-	return s
-}
+func dtypeByName(name string) *DType     { return byName(dtypes, name) }
+func algoByName(name string) *Algo       { return byName(algos, name) }
+func outKindByName(name string) *OutKind { return byName(outKinds, name) }
 
-func dtypeIndex(d *DType) int {
-	for i, x := range dtypes {
-		if x == d {
-			return i
-		}
-	}
-	return -1
-}
+func dtypeNames() []string { return namesOf(dtypes) }
+
+func dtypeIndex(d *DType) int { return slices.Index(dtypes, d) }

@@ -4,10 +4,9 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
-	"regexp"
-	"strconv"
 	"strings"
 	"testing"
+	"text/template/parse"
 	"time"
 )
 
@@ -104,19 +103,79 @@ func TestWriterRefusesOnePathTwice(t *testing.T) {
 	}
 }
 
-func TestFuncMapIsDeterministic(t *testing.T) {
+// The templates call only the listed functions and text/template's builtins, and every listed
+// function is called somewhere (the list is what the templates use, nothing more).
+func TestTemplateFuncs(t *testing.T) {
+	builtins := map[string]bool{"and": true, "call": true, "html": true, "index": true, "slice": true,
+		"js": true, "len": true, "not": true, "or": true, "print": true, "printf": true, "println": true,
+		"urlquery": true, "eq": true, "ge": true, "gt": true, "le": true, "lt": true, "ne": true}
+	tm, err := loadTemplates()
+	if err != nil {
+		t.Fatal(err)
+	}
 	fm := funcMap()
-	for _, name := range []string{"env", "expandenv", "now", "date", "dateInZone", "date_modify", "toDate",
-		"ago", "randAlphaNum", "randInt", "randBytes", "uuidv4", "shuffle", "keys", "values",
-		"getHostByName", "genPrivateKey", "bcrypt", "osBase", "unixEpoch", "htmlDate"} {
-		if _, ok := fm[name]; ok {
-			t.Errorf("template function %s is non-deterministic or environment-dependent", name)
+	used := map[string]bool{}
+	var walk func(n parse.Node)
+	walk = func(n parse.Node) {
+		switch n := n.(type) {
+		case *parse.ListNode:
+			if n != nil {
+				for _, c := range n.Nodes {
+					walk(c)
+				}
+			}
+		case *parse.ActionNode:
+			walk(n.Pipe)
+		case *parse.IfNode:
+			walk(n.Pipe)
+			walk(n.List)
+			walk(n.ElseList)
+		case *parse.RangeNode:
+			walk(n.Pipe)
+			walk(n.List)
+			walk(n.ElseList)
+		case *parse.WithNode:
+			walk(n.Pipe)
+			walk(n.List)
+			walk(n.ElseList)
+		case *parse.TemplateNode:
+			walk(n.Pipe)
+		case *parse.PipeNode:
+			if n != nil {
+				for _, c := range n.Cmds {
+					walk(c)
+				}
+			}
+		case *parse.CommandNode:
+			for _, a := range n.Args {
+				walk(a)
+			}
+		case *parse.IdentifierNode:
+			used[n.Ident] = true
 		}
 	}
-	for _, name := range []string{"fail", "join", "upper", "quote"} {
-		if _, ok := fm[name]; !ok {
-			t.Errorf("template function %s missing", name)
+	templates := 0
+	for _, tmpl := range tm.Templates() {
+		if tmpl.Tree != nil {
+			templates++
+			walk(tmpl.Tree.Root)
 		}
+	}
+	if templates < 5 {
+		t.Fatalf("walked %d templates", templates)
+	}
+	for name := range used {
+		if _, ok := fm[name]; !ok && !builtins[name] {
+			t.Errorf("a template calls %s, which funcMap does not list", name)
+		}
+	}
+	for name := range fm {
+		if !used[name] {
+			t.Errorf("funcMap lists %s, which no template calls", name)
+		}
+	}
+	if !used["len"] || !used["fail"] {
+		t.Errorf("the walk found %v: it does not see the templates' calls", used)
 	}
 }
 
@@ -151,71 +210,5 @@ func TestManifestKeysSorted(t *testing.T) {
 	again, _ := json.MarshalIndent(decoded, "", "  ")
 	if string(again)+"\n" != string(data) {
 		t.Errorf("manifest keys are not sorted:\n%s", data)
-	}
-}
-
-// The spellings in the tables must exist in the hand-written headers the output compiles against.
-func TestTablesMatchHeaders(t *testing.T) {
-	params, err := os.ReadFile("../csrc/arfuse/params.h")
-	if err != nil {
-		t.Fatal(err)
-	}
-	opsH, err := os.ReadFile("../csrc/arfuse/ops.h")
-	if err != nil {
-		t.Fatal(err)
-	}
-	enum := func(name string) string {
-		m := regexp.MustCompile(`enum class ` + name + ` : int32_t \{([^}]*)\}`).FindSubmatch(params)
-		if m == nil {
-			t.Fatalf("params.h has no enum class %s", name)
-		}
-		return string(m[1])
-	}
-	for i, d := range dtypes {
-		e := strings.TrimPrefix(d.Enum, "arfuse::DType::")
-		if !strings.Contains(enum("DType"), e+" = "+strconv.Itoa(i)) {
-			t.Errorf("params.h DType lacks %s = %d (the dtype table's order)", e, i)
-		}
-	}
-	for _, a := range algos {
-		if !strings.Contains(enum("Algo"), strings.TrimPrefix(a.Enum, "arfuse::Algo::")+" =") {
-			t.Errorf("params.h Algo lacks %s", a.Enum)
-		}
-	}
-	for i, o := range outKinds {
-		e := strings.TrimPrefix(o.Enum, "arfuse::OutKind::")
-		if !strings.Contains(enum("OutKind"), e+" = "+strconv.Itoa(i)) {
-			t.Errorf("params.h OutKind lacks %s = %d (the output kind table's order)", e, i)
-		}
-	}
-	if m := regexp.MustCompile(`constexpr int kQuantGroup = (\d+);`).FindSubmatch(params); m == nil || string(m[1]) != strconv.Itoa(quantGroup) {
-		t.Errorf("params.h kQuantGroup does not match quantGroup = %d", quantGroup)
-	}
-	declared := func(fn string) bool {
-		return regexp.MustCompile(`\b` + fn + `\(`).Match(opsH)
-	}
-	for _, op := range ops {
-		if !strings.HasPrefix(op.Signature, "(") || !strings.Contains(op.Signature, ") -> ") {
-			t.Errorf("%s: odd signature %q", op.Name, op.Signature)
-		}
-		if len(op.Kernels) == 0 {
-			t.Errorf("%s: no kernel for any dispatch key", op.Name)
-		}
-		var fns []string
-		for _, k := range op.Kernels {
-			fns = append(fns, k.Fn)
-			found := false
-			for _, key := range dispatchKeys {
-				found = found || key == k.Key
-			}
-			if !found {
-				t.Errorf("%s: unknown dispatch key %s", op.Name, k.Key)
-			}
-		}
-		for _, fn := range fns {
-			if fn != "" && !declared(fn) {
-				t.Errorf("%s: %s::%s is not declared in csrc/arfuse/ops.h", op.Name, opsNamespace, fn)
-			}
-		}
 	}
 }

@@ -5,6 +5,7 @@
 # Usage: scripts/install-cuda.sh [PYTHON] [DEST]; prints the nvcc path on success.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/pip_progress.sh
 python=${1:-.venv/bin/python}
 dest=${2:-.cuda}
 cuda=$("$python" -c 'import torch; print(torch.version.cuda or "")')
@@ -18,7 +19,9 @@ if [ -x "$nvcc" ] && [ "$(cat "$dest/.pins" 2>/dev/null)" = "$pins" ]; then
 fi
 rm -rf "$dest"
 # One pip call for all packages: they share the nvidia/cu13 folder, which --target would replace.
-"$python" -m pip install -q --no-cache-dir --no-deps --target "$dest" $pins >&2
+# Progress goes to standard error: standard output is the nvcc path alone (make reads it).
+echo "install-cuda: CUDA $cuda's compiler and headers into $dest (5 packages from PyPI, about 0.3 GB)" >&2
+pip_progress install-cuda "$dest" "$python" --no-cache-dir --no-deps --target "$dest" $pins >&2
 echo "$pins" >"$dest/.pins"
 "$nvcc" --version >&2
 echo "$nvcc"

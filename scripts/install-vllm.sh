@@ -31,6 +31,7 @@
 # Usage: scripts/install-vllm.sh [PYTHON [LOCK]]   (defaults .venv/bin/python requirements-vllm.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/pip_progress.sh
 python=${1:-.venv/bin/python}
 lock=${2:-requirements-vllm.txt}
 SKIPPED="flashinfer-python humming-kernels nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base
@@ -82,8 +83,10 @@ rest=$(mktemp); trap 'rm -f "$list" "$log" "$rest"' EXIT
 grep -v -E '^(nvidia-|torch==|triton==)' "$list" >"$rest" || true
 n=$(echo "$big" | grep -c . || true)
 echo "install-vllm: vLLM $version + torch $torch_pin ($lock): $n large packages one by one, then $(grep -c . "$rest") more" >&2
-install() {
-  if ! "$python" -m pip install -q --no-cache-dir --no-deps "$@" 2>"$log"; then
+install() {  # LABEL, then pip install arguments
+  local label=$1
+  shift
+  if ! pip_progress "$label" "$prefix" "$python" --no-cache-dir --no-deps "$@" >&2 2>"$log"; then
     cat "$log" >&2
     if grep -q -E 'No space left on device|Errno 28' "$log"; then
       "$python" -m pip uninstall -q -y vllm >/dev/null 2>&1 || true
@@ -98,9 +101,9 @@ install() {
 i=0
 for req in $big; do
   i=$((i + 1)); echo "install-vllm: [$i/$n] $req" >&2
-  install "$req"
+  install "install-vllm [$i/$n]" "$req"
 done
-echo "install-vllm: the other packages" >&2
-install -r "$rest"
+echo "install-vllm: the other $(grep -c . "$rest") packages (vllm among them), one pip call" >&2
+install "install-vllm [rest]" -r "$rest"
 echo "$want" >"$stamp"
 "$python" -c 'import importlib.metadata as m; print("install-vllm: vllm", m.version("vllm"), "torch", m.version("torch"), "numpy", m.version("numpy"))'

@@ -20,6 +20,7 @@ from arfuse import _checks, reference
 # element checks are the package's (arfuse/_checks.py), shared with torchrun -m arfuse.dist_check.
 from arfuse._checks import (DTYPES, TOL, _plant_specials, _rand, bits, check_fp8,  # noqa: F401
                             check_tensor, fp8_ulp_distance, make_inputs, poison_like, rel_err)
+from arfuse._vocab import QUANT_GROUP, QUANT_GROUP_SIZES
 
 
 @dataclasses.dataclass
@@ -47,10 +48,10 @@ class Case(_checks.Case):
 
     @property
     def group_size(self) -> int:
-        return 128 if self.quant == "fp8_group128" else 0
+        return QUANT_GROUP_SIZES.get(self.quant, 0)
 
     def scale_shape(self) -> tuple:
-        return (self.tokens,) if self.quant == "fp8_token" else (self.tokens, self.hidden // 128)
+        return (self.tokens,) if self.quant == "fp8_token" else (self.tokens, self.hidden // QUANT_GROUP)
 
 
 def run_case(group, case: Case, seed: int, fp8_scale=None):

@@ -1,0 +1,69 @@
+"""The vocabulary arfuse shares with its generator and its C++ code: the activation dtypes, the
+all-reduce algorithms, the output kinds and the kernel limits.
+
+The Go tables own it (gen/tables.go). This module is its one Python copy: `go test ./gen`
+(TestPythonVocabulary in gen/tables_test.go) reads _TABLES below and compares it with the tables,
+as it compares csrc/arfuse/params.h. Every other module of the package spells dtypes, algorithms
+and output kinds through the names defined here.
+
+Each list is in the order of its C++ enum (csrc/arfuse/params.h): an entry's position is the
+integer the torch ops take and return for it (`comm_info()[3]` is a dtype's position, the ops'
+`algorithm` argument an algorithm's, `instance_for`'s `out_kind` an output kind's).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+# JSON (not Python literals) so that the Go test reads it exactly as Python does.
+_TABLES = json.loads("""
+{
+  "dtypes": [
+    {"name": "bf16", "torch": "bfloat16", "bytes": 2},
+    {"name": "fp16", "torch": "float16", "bytes": 2},
+    {"name": "fp32", "torch": "float32", "bytes": 4}
+  ],
+  "algorithms": ["auto", "oneshot", "twoshot"],
+  "outputs": [
+    {"name": "norm", "group": 0},
+    {"name": "fp8_static", "group": 0},
+    {"name": "fp8_token", "group": 0},
+    {"name": "fp8_group128", "group": 128}
+  ],
+  "limits": {
+    "vector_bytes": 16,
+    "max_hidden": 65536,
+    "generic_max_threads": 512,
+    "max_vecs_per_thread": 8,
+    "max_world": 16,
+    "max_top_k": 64,
+    "quant_group": 128
+  }
+}
+""")
+
+# Dtypes: short name (YAML, variant names, the benchmark's --dtype) -> torch dtype.
+DTYPE_NAMES: tuple[str, ...] = tuple(d["name"] for d in _TABLES["dtypes"])
+TORCH_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, d["torch"]) for d in _TABLES["dtypes"])
+DTYPES: dict[str, torch.dtype] = dict(zip(DTYPE_NAMES, TORCH_DTYPES))
+DTYPE_NAME_OF: dict[torch.dtype, str] = {t: n for n, t in DTYPES.items()}
+
+# Algorithms: name -> the ops' `algorithm` argument. "auto" picks one-shot or two-shot by token
+# count on the host; kernel instances are built for the others (KERNEL_ALGORITHMS).
+ALGORITHMS: dict[str, int] = {name: i for i, name in enumerate(_TABLES["algorithms"])}
+KERNEL_ALGORITHMS: tuple[str, ...] = tuple(a for a in _TABLES["algorithms"] if a != "auto")
+
+# Output kinds: name -> arfuse::OutKind value. "norm" writes the activation dtype; the others
+# (QUANT_KINDS, moe_finalize_allreduce_rmsnorm's quant=) write FP8-e4m3.
+OUTPUTS: dict[str, int] = {o["name"]: i for i, o in enumerate(_TABLES["outputs"])}
+QUANT_KINDS: tuple[str, ...] = tuple(o["name"] for o in _TABLES["outputs"] if o["name"] != "norm")
+# Elements per quantization group of the output kinds that have groups (fp8_group128: 128).
+QUANT_GROUP_SIZES: dict[str, int] = {o["name"]: o["group"] for o in _TABLES["outputs"] if o["group"]}
+
+# Kernel limits (csrc/arfuse/params.h, kernel.cuh; the generator's plan).
+LIMITS: dict[str, int] = dict(_TABLES["limits"])
+MAX_WORLD: int = LIMITS["max_world"]    # largest group a communicator serves
+MAX_TOP_K: int = LIMITS["max_top_k"]    # most experts per token the op accepts
+QUANT_GROUP: int = LIMITS["quant_group"]  # elements per scale of fp8_group128

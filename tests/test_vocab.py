@@ -1,0 +1,55 @@
+"""arfuse/_vocab.py against the compiled library: the positions it gives dtypes, algorithms and
+output kinds are the values the C++ ops use, and its limits are the built plan's. (go test ./gen
+checks the same module against the Go tables, TestPythonVocabulary.)"""
+
+import torch
+
+from arfuse import _vocab
+
+
+def test_dtype_positions_are_the_libraries(lib):
+    from arfuse.comm import cpu_communicator
+
+    for i, (name, dtype) in enumerate(_vocab.DTYPES.items()):
+        comm = cpu_communicator(max_tokens=4, hidden=128, dtype=dtype)
+        try:
+            assert torch.ops.arfuse.comm_info(comm.handle)[3] == i, name
+            assert comm.dtype is dtype is _vocab.TORCH_DTYPES[i]
+            assert _vocab.DTYPE_NAME_OF[dtype] == name
+        finally:
+            comm.close()
+
+
+def test_algorithm_and_output_values_reach_the_dispatch_table(lib, manifest):
+    """Every instance of the build is found by instance_for under the names _vocab gives its
+    dtype, algorithm and output kind (a wrong value would find another instance, or none)."""
+    insts = manifest["instances"]
+    specialised = {(i["dtype"], i["hidden"]) for i in insts if not i["generic"]}
+    assert {i["output"] for i in insts} <= set(_vocab.OUTPUTS)
+    assert {i["algorithm"] for i in insts} == set(_vocab.KERNEL_ALGORITHMS)
+    for inst in insts:
+        dtype = _vocab.DTYPES[inst["dtype"]]
+        if inst["generic"]:
+            hidden = 3072  # a multiple of 128 that this build does not specialise
+            assert (inst["dtype"], hidden) not in specialised
+            world = 2
+        else:
+            hidden, world = inst["hidden"], inst["world_size"]
+        got = lib.instance_for(dtype, hidden, world, inst["algorithm"], inst["output"])
+        assert got == inst["name"], (inst["name"], got)
+
+
+def test_limits_are_the_built_plans(manifest):
+    lim = _vocab.LIMITS
+    sizes = {d["name"]: d["bytes"] for d in _vocab._TABLES["dtypes"]}
+    generic = [i for i in manifest["instances"] if i["generic"]]
+    assert generic
+    for inst in generic:
+        vec = lim["vector_bytes"] // sizes[inst["dtype"]]
+        assert inst["plan"]["vec"] == vec
+        assert inst["plan"]["max_hidden"] == lim["generic_max_threads"] * lim["max_vecs_per_thread"] * vec
+    for inst in manifest["instances"]:
+        assert inst["plan"]["vecs_per_thread"] <= lim["max_vecs_per_thread"]
+        assert inst["world_size"] <= lim["max_world"]
+        assert inst["hidden"] <= lim["max_hidden"]
+
