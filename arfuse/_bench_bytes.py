@@ -50,6 +50,15 @@ Unfused pipeline (standalone ``arfuse.moe_finalize`` kernel, then the plain-layo
     unfused = (F_in + T*H*e)                     finalize: rows etc. read, [T, H] written
             + op(plain, F_in = T*H*e, algorithm)  the all-reduce + residual + RMSNorm kernel
 
+"vLLM today" on vLLM's router-weighted dense rows (``vllm_today``: dense layout, no weights, w = 0)::
+
+    vllm_today = T*K*H*e + T*H*e                 moe_sum: rows read, [T, H] written
+               + 2*T*H*e                         the copy into the layer's output
+               + 3*T*H*e   (shared expert)       shared + rsf * y: two reads, one write
+                 or 2*T*H*e (rsf != 1 only)      rsf * y
+                 or 0       (neither)
+               + op(plain, F_in = T*H*e, algorithm)
+
 Emulated groups (``--emulate``) run all N ranks on one GPU, sharing one HBM: the bench reports
 per-rank bytes * N over the per-call time as achieved bandwidth. Under torchrun each rank has its
 own GPU: per-rank bytes over the per-call time.
@@ -147,6 +156,18 @@ def unfused_bytes(algorithm: str, layout: str, T: int, H: int, K: int, N: int, e
                           gamma_elem=gamma_elem)
 
 
+def vllm_today_bytes(algorithm: str, T: int, H: int, K: int, N: int, elem: int, *,
+                     shared: bool = True, scaled: bool = False,
+                     gamma_elem: int | None = None, **_ignored) -> int:
+    """Per-rank bytes of "vLLM today" (module docstring); ``algorithm`` is the one its all-reduce
+    + RMSNorm kernel dispatched to."""
+    row = T * H * elem
+    b = T * K * H * elem + row + 2 * row
+    b += 3 * row if shared else (2 * row if scaled else 0)
+    return b + op_bytes(algorithm, "plain", T, H, 1, N, elem, shared=False,
+                        gamma_elem=gamma_elem)
+
+
 def resolve_algorithm(algorithm: str, T: int, oneshot_max_tokens: int) -> str:
     """What "auto" dispatches to: one-shot for T <= the threshold."""
     if algorithm == "auto":
@@ -163,6 +184,7 @@ IMPL_ALGORITHM = {
     "arfuse_oneshot": ("fused", "oneshot"),
     "arfuse_twoshot": ("fused", "twoshot"),
     "unfused": ("unfused", "auto"),
+    "vllm_today": ("vllm_today", "auto"),    # --weights-dtype none: vLLM's moe_sum + copy + ...
     "torch": (None, None),
     "arfuse_q": ("fused", "auto"),           # --quant: FP8 output written by the fused kernel
     "arfuse_sepq": ("sepquant", "auto"),     # --quant: activation-dtype output + quant kernel
@@ -191,6 +213,9 @@ def impl_bytes(impl: str, layout: str, T: int, H: int, K: int, N: int, elem: int
         return op_bytes(algo, layout, T, H, K, N, elem, **kw) + quant_output_delta(quant, T, H, elem)
     if kind == "sepquant":  # the op with activation-dtype output, then a quantization kernel
         return op_bytes(algo, layout, T, H, K, N, elem, **kw) + separate_quant_bytes(quant, T, H, elem)
+    if kind == "vllm_today":
+        return vllm_today_bytes(algo, T, H, K, N, elem, **kw)
+    kw.pop("scaled", None)
     return unfused_bytes(algo, layout, T, H, K, N, elem, **kw)
 
 

@@ -85,7 +85,8 @@ def make_setup(args) -> Setup:
 
     dtype = TORCH_DTYPES[args.dtype]
     elem = torch.empty((), dtype=dtype).element_size()
-    weight_dtype = torch.float32 if args.weights_dtype == "fp32" else dtype
+    # --weights-dtype none: no weights (the rows are already weighted); weight_dtype unused
+    weight_dtype = dtype if args.weights_dtype == "act" else torch.float32
     max_tokens = max(args.tokens)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -222,7 +223,7 @@ def make_sets(setup: Setup, T: int, n_sets: int) -> list:
         g.manual_seed(a.seed * 1_000_003 + T * 7919 + s)  # same on every rank
         residual = torch.randn(T, H, generator=g, device=dev, dtype=dt)
         weights = None
-        if a.layout != "plain":
+        if a.layout != "plain" and a.weights_dtype != "none":
             weights = torch.softmax(torch.randn(T, K, generator=g, device=dev), dim=-1)
             weights = weights.to(setup.weight_dtype)
         per = {}
@@ -264,10 +265,12 @@ def add_flashinfer_views(setup: Setup, sets: list) -> None:
                           "weights": (inp.weights.float() * sc * valid).to(setup.dtype)}
             elif setup.args.layout == "dense":
                 T, K, H = inp.expert_out.shape
+                w = (torch.ones(T, K, device=setup.device) if inp.weights is None
+                     else inp.weights.float())
                 inp.fi = {"rows": inp.expert_out.view(T * K, H),
                           "idx": torch.arange(T * K, device=setup.device,
                                               dtype=torch.int32).view(T, K),
-                          "weights": (inp.weights.float() * sc).to(setup.dtype)}
+                          "weights": (w * sc).to(setup.dtype)}
 
 
 def mean_valid_rows(sets: list) -> int:
@@ -335,8 +338,11 @@ def torch_partial(setup: Setup, inp: RankInputs, out=None) -> torch.Tensor:
             rows = x.index_select(0, inp.idx.clamp(min=0).view(-1)).view(T, K, -1)
             w = inp.weights.float() * (inp.idx >= 0)
         else:
-            rows, w = x, inp.weights.float()
-        y = torch.bmm(w.unsqueeze(1), rows.float()).squeeze(1)  # [T, H] float32
+            rows, w = x, (None if inp.weights is None else inp.weights.float())
+        if w is None:  # rows already router-weighted
+            y = rows.float().sum(1)
+        else:
+            y = torch.bmm(w.unsqueeze(1), rows.float()).squeeze(1)  # [T, H] float32
     if out is None:
         out = torch.empty_like(inp.residual)
     if inp.shared is not None:
@@ -579,6 +585,65 @@ class TorchDistributed(PerRank):
         return torch_norm(self.setup, p.to(torch.float32, copy=True), inp.residual)
 
 
+class _VllmTodayBase:
+    """What vLLM runs on Hopper after its Triton experts wrote the router-weighted [T, K, H]
+    rows (docs/vllm.md "The finalize"; vLLM's TritonExperts.apply + TopKWeightAndReduceNoOP +
+    the model's forward): ``moe_sum`` -- the sum over K into a [T, H] buffer, float32
+    accumulation, one rounding (torch.sum, which is what vLLM's ``moe_sum`` calls for K > 4;
+    its own kernel for K <= 4 does the same arithmetic) --, the copy of that buffer into the
+    layer's output, then ``shared + rsf * y`` (one elementwise kernel, as Inductor fuses the
+    multiply and the add; only the multiply without a shared expert; nothing when rsf is 1 and
+    there is none), then the all-reduce + residual + RMSNorm. The last step is arfuse's plain-
+    layout kernel (vLLM uses FlashInfer's AR+RMSNorm or its custom all-reduce +
+    fused_add_rms_norm on Hopper; neither runs in this process): see docs/performance.md for
+    how the two compare."""
+
+    def _finalize(self, inp):
+        a = self.setup.args
+        rows = inp.expert_out
+        y = torch.sum(rows, dim=1)                 # moe_sum: [T, H], fp32 accumulation
+        out = torch.empty_like(y)
+        out.copy_(y)                               # TopKWeightAndReduceNoOP: into the output
+        sc = float(a.routed_scaling)
+        if inp.shared is not None:
+            return torch.add(inp.shared, out, alpha=sc)
+        if sc != 1.0:
+            return torch.mul(out, sc)
+        return out
+
+    def _allreduce_norm(self, comm, y, inp):
+        st = self.setup
+        return st.ar.moe_finalize_allreduce_rmsnorm(
+            comm, y, inp.residual, st.gamma, float(st.args.eps),
+            weight_bias=float(st.args.weight_bias), algorithm="auto")
+
+
+class VllmTodayEmulated(_VllmTodayBase, TwoPhase):
+    """Two group.run phases (every rank's finalize kernels, then every rank's all-reduce), as
+    UnfusedEmulated and for the same reason."""
+
+    def __init__(self, setup, sets):
+        TwoPhase.__init__(self, setup, sets)
+        self.ys = {}
+
+    def _call(self, s):
+        per, st, ys = self.sets[s], self.setup, self.ys
+
+        def phase1(rank, comm):
+            ys[rank] = self._finalize(per[rank])
+
+        def phase2(rank, comm):
+            return self._allreduce_norm(comm, ys[rank], per[rank])
+
+        st.per_rank(phase1)
+        return st.per_rank(phase2)
+
+
+class VllmToday(_VllmTodayBase, PerRank):
+    def call(self, rank, comm, inp):
+        return self._allreduce_norm(comm, self._finalize(inp), inp)
+
+
 class FlashInfer:
     """Thin wrapper over FlashInfer's TRT-LLM all-reduce fusion (unified API when present,
     the older trtllm_* functions otherwise)."""
@@ -703,6 +768,11 @@ def build_impl(name: str, setup: Setup, sets: list, T: int, thr) -> Impl:
             impl = ArfuseQuant(setup, sets) if name == "arfuse_q" else ArfuseSepQuant(setup, sets)
         except ImportError as e:
             raise Skip(f"no separate quantization kernel: {e}") from None
+        impl.algorithm = BB.resolve_algorithm("auto", T, thr) if thr is not None else None
+    elif name == "vllm_today":
+        if a.layout != "dense" or a.weights_dtype != "none":
+            raise Skip("needs --layout dense --weights-dtype none (vLLM's weighted rows)")
+        impl = VllmTodayEmulated(setup, sets) if setup.emulated else VllmToday(setup, sets)
         impl.algorithm = BB.resolve_algorithm("auto", T, thr) if thr is not None else None
     elif name == "torch":
         impl = TorchEmulated(setup, sets) if setup.emulated else TorchDistributed(setup, sets)
@@ -929,7 +999,8 @@ def _run(setup: Setup, on_token_done=None) -> dict:
         prog.write(f"arfuse.bench: {torch.cuda.get_device_name(setup.device)}, {mode}; "
                    f"copy bandwidth {copy_gbps:,.0f} GB/s; L2 {l2 >> 20} MiB; "
                    f"one-shot for T <= {thr}")
-    kw_bytes = dict(weight_elem=torch.empty((), dtype=setup.weight_dtype).element_size(),
+    kw_bytes = dict(weight_elem=(0 if a.weights_dtype == "none" else
+                                 torch.empty((), dtype=setup.weight_dtype).element_size()),
                     shared=a.shared)
     try:
         for T in a.tokens:
@@ -968,7 +1039,9 @@ def _run(setup: Setup, on_token_done=None) -> dict:
                     row["bytes_per_rank"] = BB.impl_bytes(
                         name, a.layout, T, a.hidden, a.topk, setup.world_size, setup.elem,
                         oneshot_max_tokens=thr, algorithm=impl.algorithm, valid_rows=valid,
-                        quant=(a.quant if name in QUANT_IMPLS else None), **kw_bytes)
+                        quant=(a.quant if name in QUANT_IMPLS else None),
+                        **({"scaled": float(a.routed_scaling) != 1.0} if name == "vllm_today"
+                           else {}), **kw_bytes)
                     # guard rail: one call against the float32 reference (collective status)
                     local_msg = None
                     try:

@@ -12,7 +12,7 @@ import io
 import math
 from typing import Iterable, Sequence
 
-IMPL_ORDER = ("arfuse", "arfuse_oneshot", "arfuse_twoshot", "unfused", "torch",
+IMPL_ORDER = ("arfuse", "arfuse_oneshot", "arfuse_twoshot", "unfused", "vllm_today", "torch",
               "arfuse_q", "arfuse_sepq",
               "flashinfer_p7", "flashinfer_p1")
 
@@ -21,6 +21,7 @@ IMPL_LABELS = {
     "arfuse_oneshot": "arfuse one-shot",
     "arfuse_twoshot": "arfuse two-shot",
     "unfused": "unfused (finalize + AR/norm)",
+    "vllm_today": "vLLM today (moe_sum + copy + scale/shared + AR/norm)",
     "torch": "PyTorch composition",
     "arfuse_q": "arfuse, FP8 output fused",
     "arfuse_sepq": "arfuse + separate FP8 quant kernel",
@@ -29,6 +30,7 @@ IMPL_LABELS = {
 }
 
 CSV_FIELDS = ("impl", "tokens", "median_us", "p10_us", "p90_us", "ratio_to_unfused",
+              "ratio_to_vllm_today",
               "bytes_per_rank", "bytes_counted", "gbps", "frac_copy_bw", "algorithm", "timing",
               "replays", "graph_calls", "input_sets", "max_rel_err", "note")
 
@@ -65,16 +67,21 @@ def new_row(impl: str, tokens: int, **kw) -> dict:
 
 
 def finish_rows(rows: list[dict], *, copy_gbps: float | None, ranks_per_gpu: int) -> list[dict]:
-    """Fill ratio_to_unfused, bytes_counted, gbps and frac_copy_bw (in place; returns rows).
+    """Fill ratio_to_unfused (and ratio_to_vllm_today where "vLLM today" was timed),
+    bytes_counted, gbps and frac_copy_bw (in place; returns rows).
 
     bytes_counted = bytes_per_rank * ranks_per_gpu: the bytes that went through one GPU's memory
     system per call (ranks_per_gpu = N for an emulated group, 1 under torchrun)."""
-    unfused = {r["tokens"]: r["median_us"] for r in rows
-               if r["impl"] == "unfused" and r.get("median_us")}
+    def medians(impl):
+        return {r["tokens"]: r["median_us"] for r in rows
+                if r["impl"] == impl and r.get("median_us")}
+    unfused, today = medians("unfused"), medians("vllm_today")
     for r in rows:
         med = r.get("median_us")
         base = unfused.get(r["tokens"])
         r["ratio_to_unfused"] = (med / base) if (med and base) else None
+        base = today.get(r["tokens"])
+        r["ratio_to_vllm_today"] = (med / base) if (med and base) else None
         if r.get("bytes_per_rank") is not None:
             r["bytes_counted"] = int(r["bytes_per_rank"]) * int(ranks_per_gpu)
         if med and r.get("bytes_counted"):
@@ -153,8 +160,9 @@ def markdown_table(rows: Iterable[dict], *, title: str = "", notes: Sequence[str
                    emulated: bool = False, world_size: int | None = None,
                    copy_gbps: float | None = None) -> str:
     """One line per token count; one column per implementation with the median per-call time in
-    microseconds and, in parentheses, the ratio to the unfused pipeline (< 1: faster); then the
-    achieved GB/s of arfuse (auto) and its fraction of the measured copy bandwidth."""
+    microseconds and, in parentheses, the ratio to the baseline (< 1: faster): "vLLM today" where
+    it was timed, else the unfused pipeline; then the achieved GB/s of arfuse (auto) and its
+    fraction of the measured copy bandwidth."""
     rows = sort_rows(rows)
     impls = [i for i in IMPL_ORDER if any(r["impl"] == i for r in rows)]
     impls += sorted({r["impl"] for r in rows} - set(impls))
@@ -166,7 +174,9 @@ def markdown_table(rows: Iterable[dict], *, title: str = "", notes: Sequence[str
         lines += [f"## {title}", ""]
     bw_note = ("per-rank bytes x N / median: the N emulated ranks share one GPU's HBM"
                if emulated else "per-rank bytes / median (one GPU per rank)")
-    lines.append("Median time per call in µs (ratio to the unfused pipeline; < 1 is faster). "
+    ratio_key, base_name = (("ratio_to_vllm_today", "vLLM today") if "vllm_today" in impls
+                            else ("ratio_to_unfused", "the unfused pipeline"))
+    lines.append(f"Median time per call in µs (ratio to {base_name}; < 1 is faster). "
                  f"GB/s for arfuse (auto): {bw_note}"
                  + (f"; % of the measured copy bandwidth ({copy_gbps:,.0f} GB/s)."
                     if copy_gbps else "."))
@@ -190,8 +200,8 @@ def markdown_table(rows: Iterable[dict], *, title: str = "", notes: Sequence[str
                 cells.append("skip" if r is not None else "")
                 continue
             c = _us(r["median_us"])
-            if r.get("ratio_to_unfused"):
-                c += f" ({r['ratio_to_unfused']:.2f}×)"
+            if r.get(ratio_key):
+                c += f" ({r[ratio_key]:.2f}×)"
             cells.append(c)
         if has_bw:
             r = by.get(("arfuse", t))

@@ -4,7 +4,13 @@ Times, for each token count T, the fused op (auto dispatch, one-shot, two-shot),
 pipeline built from arfuse's separate kernels (standalone ``arfuse.moe_finalize``, then the op on
 the reduced input with the plain layout: all-reduce + residual + RMSNorm), a plain PyTorch
 composition and, under torchrun with FlashInfer installed, FlashInfer's pattern 7 (MoE finalize +
-all-reduce + residual + RMSNorm) and finalize + pattern 1.
+all-reduce + residual + RMSNorm) and finalize + pattern 1. With ``--layout dense --weights-dtype
+none`` (the router-weighted ``[T, K, H]`` rows vLLM's Triton experts produce) also "vLLM today"
+(``vllm_today``): what vLLM runs on those rows on Hopper -- ``moe_sum`` (the sum over K, float32
+accumulation, one rounding), the copy of the ``[T, H]`` result into the layer's output, the
+routed-scaling multiply and shared-expert add (one kernel, as Inductor fuses them), then the
+all-reduce + residual + RMSNorm (arfuse's plain-layout kernel stands in for vLLM's FlashInfer or
+custom all-reduce + ``fused_add_rms_norm``); the table's ratios are then to it.
 
 Two ways to run::
 
@@ -195,8 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--eps", type=float, default=1e-6, help="RMSNorm epsilon")
     shape.add_argument("--weight-bias", type=float, default=0.0, choices=(0.0, 1.0),
                        help="0: x*gamma; 1: x*(1+gamma)")
-    shape.add_argument("--weights-dtype", choices=("fp32", "act"), default="fp32",
-                       help="router weights in float32 or in the activation dtype")
+    shape.add_argument("--weights-dtype", choices=("fp32", "act", "none"), default="fp32",
+                       help="router weights in float32 or in the activation dtype; none: no "
+                       "weights, the rows are already router-weighted (vLLM's TritonExperts hand "
+                       "them so; --layout dense only; adds vllm_today)")
     shape.add_argument("--quant", choices=("fp8_static", "fp8_token", "fp8_group128"),
                        help="also time the FP8 output kind: fused into arfuse (arfuse_q) beside "
                        "arfuse's activation-dtype output + a separate Triton quantization kernel "
@@ -255,6 +263,14 @@ def resolve_args(ns: argparse.Namespace, *, env_world: int | None = None) -> arg
         ns.impls = [i for i in ns.impls if i not in quant_impls]
         if not ns.impls:
             raise BenchError("--impls: arfuse_q and arfuse_sepq need --quant")
+    if ns.weights_dtype == "none" and ns.layout != "dense":
+        raise BenchError(f"--weights-dtype none: the rows carry the router weights only in the "
+                         f"dense layout (vLLM's [T, K, H] rows); got --layout {ns.layout}")
+    if ns.weights_dtype != "none":
+        ns.impls = [i for i in ns.impls if i != "vllm_today"]
+        if not ns.impls:
+            raise BenchError("--impls: vllm_today needs --layout dense --weights-dtype none "
+                             "(the rows vLLM's Triton experts hand over)")
 
     model = None
     if ns.model:

@@ -16,6 +16,9 @@
 #   BENCH_MODELS, BENCH_WORLDS   what to benchmark (default: the four models, N = 8 4 2)
 #   BENCH_QUANT       FP8 kinds for --quant runs (default: fp8_static fp8_token fp8_group128; "" none)
 #   BENCH_QUANT_MODEL, BENCH_QUANT_WORLD   where they run (default: deepseek-v3, 8)
+#   BENCH_VLLM_TODAY=1  instead of the models: issue 13's "vLLM today" runs (--layout dense
+#                     --weights-dtype none: vLLM's router-weighted rows; arfuse fused vs vLLM's
+#                     moe_sum + copy + scale/shared + AR/norm) for the four models below at their N
 #   BENCH_ARGS        more arguments for every python -m arfuse.bench
 #   DEADLINE_S        seconds from the start after which no run starts and a running one is cut
 #                     (default 540)
@@ -67,6 +70,24 @@ for q in ${BENCH_QUANT-fp8_static fp8_token fp8_group128}; do
   one_run "quant-$q-$m-w$n" --model "$m" --world-size "$n" --quant "$q" \
     --impls arfuse,arfuse_q,arfuse_sepq || break
 done
+# Issue 13: the models whose finalize the plugin hands to arfuse (vLLM's TritonExperts rows), each
+# at the TP size it is served with on H200s and with its own tail (DeepSeek-V3: shared expert,
+# routed_scaling_factor 2.5; Qwen3-MoE and Mixtral: neither).
+vllm_today_runs=(
+  "deepseek-v3 8 --routed-scaling 2.5"
+  "qwen3-235b-a22b 4 --no-shared"
+  "qwen3-30b-a3b 2 --no-shared"
+  "mixtral-8x7b 2 --no-shared"
+)
+if [ -n "${BENCH_VLLM_TODAY:-}" ]; then
+  for run in "${vllm_today_runs[@]}"; do
+    set -- $run
+    model=$1 n=$2; shift 2
+    one_run "vllm-today-$model-w$n" --model "$model" --world-size "$n" --layout dense \
+      --weights-dtype none --impls arfuse,unfused,vllm_today "$@" || break
+  done
+  BENCH_MODELS=""
+fi
 for model in ${BENCH_MODELS-deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b gpt-oss-120b}; do
   for n in ${BENCH_WORLDS:-8 4 2}; do
     one_run "$kind-$model-w$n" --model "$model" --world-size "$n" "${extra[@]}" || break 2

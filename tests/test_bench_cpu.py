@@ -430,7 +430,7 @@ def _cpu_setup(layout, dtype_name="bf16", N=3, H=64, K=4, shared=True, scaling=2
                            shared=shared, routed_scaling=scaling, eps=1e-6,
                            weight_bias=weight_bias, absent_frac=0.25 if layout == "permuted"
                            else 0.0, seed=1, dtype=dtype_name, world_size=N, tokens=[5],
-                           comm_timeout=1.0)
+                           comm_timeout=1.0, weights_dtype="fp32")
     g = torch.Generator().manual_seed(0)
     gamma = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
     return BC, BC.Setup(args=args, dtype=dtype, elem=gamma.element_size(),
@@ -562,3 +562,83 @@ def test_separate_quant_kernel_scales_on_the_triton_interpreter():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- "vLLM today" (issue 13)
+
+def test_vllm_today_arguments():
+    ns = parse(["--emulate", "--hidden", "4096", "--topk", "8", "--layout", "dense",
+                "--weights-dtype", "none"])
+    assert "vllm_today" in ns.impls and ns.impls.index("vllm_today") == \
+        ns.impls.index("unfused") + 1
+    ns = parse(["--emulate", "--hidden", "4096", "--topk", "8", "--layout", "dense"])
+    assert "vllm_today" not in ns.impls  # weighted rows: not what vLLM hands over
+    for layout in ("permuted", "plain"):
+        with pytest.raises(bench.BenchError, match="--weights-dtype none: .*dense"):
+            bench.resolve_args(bench.build_parser().parse_args(
+                ["--emulate", "--hidden", "4096", "--topk", "8", "--layout", layout,
+                 "--weights-dtype", "none"]))
+    with pytest.raises(bench.BenchError, match="vllm_today needs --layout dense"):
+        bench.resolve_args(bench.build_parser().parse_args(
+            ["--emulate", "--hidden", "4096", "--topk", "8", "--impls", "vllm_today"]))
+
+
+def test_vllm_today_bytes_by_hand():
+    # T=4, H=16, K=2, N=2, bf16: moe_sum reads 4*2*16*2 = 256, writes 128; copy 256;
+    # shared + rsf*y 384 (or rsf*y 256, or nothing); plain op one-shot 1312 (as unfused's)
+    op = 1312
+    assert BB.vllm_today_bytes("oneshot", 4, 16, 2, 2, 2, shared=True) == 256 + 128 + 256 + 384 + op
+    assert BB.vllm_today_bytes("oneshot", 4, 16, 2, 2, 2, shared=False, scaled=True) == \
+        256 + 128 + 256 + 256 + op
+    assert BB.vllm_today_bytes("oneshot", 4, 16, 2, 2, 2, shared=False) == 256 + 128 + 256 + op
+    assert BB.impl_bytes("vllm_today", "dense", 4, 16, 2, 2, 2, oneshot_max_tokens=4,
+                         shared=False, scaled=True, weight_elem=0) == 256 + 128 + 256 + 256 + op
+    # the fused call on the same rows reads no weights
+    assert BB.op_bytes("oneshot", "dense", 4, 16, 2, 2, 2, weight_elem=0, shared=False) == \
+        BB.op_bytes("oneshot", "dense", 4, 16, 2, 2, 2, shared=False) - 4 * 2 * 4
+
+
+def test_markdown_ratios_to_vllm_today():
+    rows = synthetic_rows()
+    for T, med in ((1, 40.0), (64, 48.0), (512, 100.0)):
+        rows.append(BR.new_row("vllm_today", T, median_us=med, bytes_per_rank=1000))
+    rows = BR.finish_rows(rows, copy_gbps=None, ranks_per_gpu=1)
+    by = {(r["impl"], r["tokens"]): r for r in rows}
+    assert by[("arfuse", 64)]["ratio_to_vllm_today"] == pytest.approx(12.0 / 48.0)
+    assert by[("arfuse", 64)]["ratio_to_unfused"] == pytest.approx(12.0 / 24.0)
+    md = BR.markdown_table(rows, title="t")
+    assert "ratio to vLLM today" in md
+    line = next(l for l in md.splitlines() if l.startswith("| 64 |"))
+    assert "12.0 (0.25×)" in line
+    assert "ratio to the unfused pipeline" in BR.markdown_table(synthetic_rows(), title="t")
+
+
+@pytest.mark.parametrize("shared, scaling", [(True, 2.5), (False, 1.0), (False, 2.5)])
+def test_vllm_today_composition_on_the_cpu(shared, scaling):
+    """The composition on weighted dense rows against the float32 reference of the op's
+    definition (world size 1 on the CPU communicator); what it feeds the all-reduce is the
+    rows summed in float32 and rounded once, then shared + rsf * y rounded once (vLLM's)."""
+    torch = pytest.importorskip("torch")
+    from arfuse.comm import cpu_communicator
+
+    BC, st = _cpu_setup("dense", "bf16", N=1, shared=shared, scaling=scaling)
+    st.args.weights_dtype = "none"
+    import arfuse
+    st.ar = arfuse
+    sets = BC.make_sets(st, 5, 2)
+    inp = sets[0][0]
+    assert inp.weights is None and inp.expert_out.shape == (5, 4, 64)
+    comm = cpu_communicator(max_tokens=5, hidden=64, dtype=torch.bfloat16)
+    st.group = None
+    st.per_rank = lambda fn: [fn(0, comm)]
+    impl = BC.VllmToday(st, sets)
+    y = impl._finalize(inp)
+    want = inp.expert_out.float().sum(1).to(torch.bfloat16).float() * scaling
+    if shared:
+        want = want + inp.shared.float()
+    assert torch.equal(y, want.to(torch.bfloat16))
+    ref = BC.reference(st, sets[0])
+    (norm, res), = impl.once(0)
+    assert BC.rel_err(norm, ref[0]) <= BC.TOLERANCE["bf16"]
+    assert BC.rel_err(res, ref[1]) <= BC.TOLERANCE["bf16"]
+    assert BC.rel_err(impl.once(1)[0][0], ref[0]) > 0.1
