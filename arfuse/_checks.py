@@ -1,7 +1,7 @@
 """Case inputs and result checks of the correctness suites, as a package module.
 
 The GPU suites (tests/fused_cases.py, tests/test_gpu_fused.py) and the multi-process check
-(arfuse.dist_check) draw and check cases the same way; this module holds the generic parts so that
+(arfuse.check) draw and check cases the same way; this module holds the generic parts so that
 the package does not import from tests/; tests/fused_cases.py imports these (Case, make_inputs,
 poison_like, bits, rel_err, check_tensor, the FP8 check and the tolerances) and adds the dynamic
 FP8 cases. Checks raise AssertionError explicitly rather than `assert`, so that `python -O` cannot
@@ -27,7 +27,7 @@ from ._vocab import DTYPE_NAME_OF, DTYPES  # noqa: F401 (DTYPES: the suites' nam
 # ‖out − ref‖ / ‖ref‖ bounds per activation dtype (issue 3).
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
 
-# The input forms and options both suites sweep (tests/test_gpu_fused.py, arfuse.dist_check):
+# The input forms and options both suites sweep (tests/test_gpu_fused.py, arfuse.check):
 # layout, K, weights, shared, routed_scaling, weight_bias, gamma_f32, absent
 OPTION_CASES = [
     ("plain", 1, None, True, 1.0, 0.0, False, 0.0),

@@ -1,4 +1,4 @@
-"""What the package's command-line tools (python -m arfuse.bench, torchrun -m arfuse.dist_check)
+"""What the package's command-line tools (python -m arfuse.bench, torchrun -m arfuse.check)
 share: the --help formatter."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 #   1. builds the default matrix (arfuse/_lib, from out/) and the CI matrix (build/ci/lib, from
 #      build/ci/out) side by side: make lib SKIP_GEN=1 ..., as scripts/gpu-session.sh does;
 #   2. installs carried wheels (.whl/*.whl: flashinfer-python and what it lacks) into /tmp/site;
-#   3. check: torchrun --nproc-per-node N -m arfuse.dist_check for each N, against the default
+#   3. check: torchrun --nproc-per-node N -m arfuse.check for each N, against the default
 #      build, then the CI build (its fp32 and FP8-static instances);
 #   4. tune: torchrun --nproc-per-node N -m arfuse.bench --model M --tune (dispatch thresholds);
 #   5. bench: torchrun --nproc-per-node N -m arfuse.bench --model M (arfuse, unfused, NCCL +
@@ -21,8 +21,8 @@
 # Knobs (environment):
 #   PHASES      default "check tune bench"          WORLDS   default "2 4 8" (capped by the GPUs)
 #   MODELS      default "deepseek-v3 qwen3-235b-a22b gpt-oss-120b"
-#   CHECK_LIBS  builds dist_check runs against, default "default ci"
-#   CHECK_ARGS, BENCH_ARGS   more arguments for every dist_check / bench (and tune) run
+#   CHECK_LIBS  builds arfuse.check runs against, default "default ci"
+#   CHECK_ARGS, BENCH_ARGS   more arguments for every arfuse.check / bench (and tune) run
 #   ONLY_RUNS   run only these run names (summary.txt lists those a deadline left out)
 #   DEADLINE_S  seconds from the start after which no run starts and a running one is cut (540)
 #   ARFUSE_COMMIT  the commit of the copied tree (it has no .git there)
@@ -59,7 +59,7 @@ failed=0
 lib_path() { case $1 in default) echo "$PWD/arfuse/_lib/libarfuse_ops.so" ;; ci) echo "$PWD/build/ci/lib/libarfuse_ops.so" ;; esac; }
 man_path() { case $1 in default) echo "$PWD/out/manifest.json" ;; ci) echo "$PWD/build/ci/out/manifest.json" ;; esac; }
 
-verdict() {  # the telling last line of a log: dist_check's verdict, a tuning row, an arfuse error
+verdict() {  # the telling last line of a log: arfuse.check's verdict, a tuning row, an arfuse error
   local v
   v=$(grep -E '^(PASSED|FAILED) arfuse|^arfuse[.:_a-z]*: |^ *- \{dtype|^wrote ' "$1" | tail -n 1)
   [ -n "$v" ] || v=$(grep -v -E '^\s*$|^=+$' "$1" | tail -n 1)
@@ -134,7 +134,7 @@ pack
 if [[ $phases == *" check "* ]]; then
   for n in "${worlds[@]}"; do
     for lib in ${CHECK_LIBS:-default ci}; do
-      one_run "check-$lib-w$n" "$lib" "$n" arfuse.dist_check --out "$res/check-$lib-w$n" ${CHECK_ARGS:-}
+      one_run "check-$lib-w$n" "$lib" "$n" arfuse.check --out "$res/check-$lib-w$n" ${CHECK_ARGS:-}
     done
   done
 fi

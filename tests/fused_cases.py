@@ -17,7 +17,7 @@ import torch
 import arfuse
 from arfuse import _checks, reference
 # The inputs, poisoning, tolerances (‖out − ref‖ / ‖ref‖ per activation dtype, issue 3) and
-# element checks are the package's (arfuse/_checks.py), shared with torchrun -m arfuse.dist_check.
+# element checks are the package's (arfuse/_checks.py), shared with torchrun -m arfuse.check.
 from arfuse._checks import (DTYPES, TOL, _plant_specials, _rand, bits, check_fp8,  # noqa: F401
                             check_tensor, fp8_ulp_distance, make_inputs, poison_like, rel_err)
 from arfuse._vocab import QUANT_GROUP, QUANT_GROUP_SIZES

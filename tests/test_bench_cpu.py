@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from arfuse import _bench_bytes as BB
-from arfuse import _bench_report as BR
-from arfuse import bench
+from arfuse.bench import byte_counts as BB
+from arfuse.bench import report as BR
+from arfuse.bench import cli as bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +51,7 @@ def test_help_exits_zero_without_gpu_or_library():
             "try:\n"
             "    runpy.run_module('arfuse.bench', run_name='__main__', alter_sys=True)\n"
             "except SystemExit as e:\n"
-            "    assert 'arfuse._bench_cuda' not in sys.modules, 'GPU module imported'\n"
+            "    assert 'arfuse.bench.gpu' not in sys.modules, 'GPU module imported'\n"
             "    sys.exit(e.code)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=60, env={**os.environ, "ARFUSE_LIBRARY": "/nonexistent/lib.so"})
@@ -381,7 +381,6 @@ def test_write_outputs_from_synthetic_run(tmp_path, monkeypatch):
     ns = parse(["--emulate", "--hidden", "4096", "--topk", "8", "--out", str(tmp_path),
                 "--tune", "--tokens", "1,64,512"])
     monkeypatch.setenv("ARFUSE_COMMIT", "deadbeef")
-    monkeypatch.setattr(bench, "git_commit", lambda: "deadbeef")
     res = {"rows": synthetic_rows(), "copy_gbps": 4000.0, "oneshot_max_tokens": 64,
            "notes": ["a note"], "checks": [], "failed_check": [], "aborted": None,
            "is_main": True, "l2_bytes": 60 << 20, "card": "Fake GPU", "flashinfer": None,
@@ -423,7 +422,7 @@ class _SeqGroup:
 def _cpu_setup(layout, dtype_name="bf16", N=3, H=64, K=4, shared=True, scaling=2.5,
                weight_bias=0.0):
     torch = pytest.importorskip("torch")
-    from arfuse import _bench_cuda as BC
+    from arfuse.bench import gpu as BC
 
     dtype = BC.TORCH_DTYPES[dtype_name]
     args = SimpleNamespace(hidden=H, topk=1 if layout == "plain" else K, layout=layout,
@@ -467,7 +466,7 @@ def test_torch_composition_matches_reference(layout, dtype_name):
 
 def test_rel_err_flags_nan_and_scales_by_max():
     torch = pytest.importorskip("torch")
-    from arfuse import _bench_cuda as BC
+    from arfuse.bench import gpu as BC
 
     ref = torch.tensor([1.0, -4.0, 2.0])
     assert BC.rel_err(ref.clone(), ref) == 0.0
@@ -493,7 +492,7 @@ def test_flashinfer_views_fold_scaling_and_absent_rows():
 
 
 def test_graph_calls_for_scales_down_above_128_tokens():
-    from arfuse import _bench_bytes as BB
+    from arfuse.bench import byte_counts as BB
     assert [BB.graph_calls_for(T, 20) for T in (1, 64, 128, 256, 512, 1024, 8192)] == \
         [20, 20, 20, 10, 5, 2, 2]
     assert BB.graph_calls_for(8192, 1) == 1
@@ -502,7 +501,7 @@ def test_graph_calls_for_scales_down_above_128_tokens():
 
 
 def test_quant_byte_counts():
-    from arfuse import _bench_bytes as BB
+    from arfuse.bench import byte_counts as BB
     T, H, K, N, e = 64, 7168, 8, 8, 2
     base = BB.impl_bytes("arfuse", "permuted", T, H, K, N, e, oneshot_max_tokens=0)
     row = T * H
@@ -521,7 +520,7 @@ def test_quant_byte_counts():
 
 
 def test_quant_impls_need_quant():
-    from arfuse import bench
+    from arfuse.bench import cli as bench
     ns = bench.parse_args(["--emulate", "--model", "deepseek-v3", "--quant", "fp8_token"])
     assert "arfuse_q" in ns.impls and "arfuse_sepq" in ns.impls
     ns = bench.parse_args(["--emulate", "--model", "deepseek-v3"])
@@ -540,7 +539,7 @@ def test_separate_quant_kernel_scales_on_the_triton_interpreter():
     import textwrap
     code = textwrap.dedent("""
         import torch
-        from arfuse import _bench_quant as BQ
+        from arfuse.bench import quant as BQ
         torch.manual_seed(0)
         y = (torch.randn(5, 1152) * torch.rand(5, 1) * 10).bfloat16()
         yf = y.float()

@@ -6,7 +6,8 @@ import re
 
 import pytest
 
-from arfuse import bench, dist_check
+from arfuse.bench import cli as bench
+from arfuse.check import dist as dist_check
 
 
 @pytest.mark.parametrize("build", [bench.build_parser, dist_check.build_parser],

@@ -1,4 +1,4 @@
-"""CPU tests of the multi-GPU check (arfuse.dist_check) and its launcher (scripts/multigpu.sh).
+"""CPU tests of the multi-GPU check (arfuse.check) and its launcher (scripts/multigpu.sh).
 
 No GPU: the real op runs at world size 1 only (the CPU implementation, arfuse/_cpu.py; the C++
 communicator accepts a CPU device only for world size 1), in process over gloo and under
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from arfuse import _checks
-from arfuse import dist_check as dc
+from arfuse.check import dist as dc
 
 ROOT = Path(__file__).resolve().parent.parent
 MULTICAST_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
@@ -262,7 +262,7 @@ def test_summary_and_report_writer(tmp_path):
     assert back["summary"] == json.loads(json.dumps(s)) and back["environment"]["path"] == "/x"
     assert [p.name for p in path.parent.iterdir()] == ["dist_check_w8.json"]
     lines = dc.format_summary(report)
-    assert lines[-1] == ("PASSED arfuse.dist_check N=8 cuda nccl: 4 cases, 3 passed, 0 failed, "
+    assert lines[-1] == ("PASSED arfuse.check N=8 cuda nccl: 4 cases, 3 passed, 0 failed, "
                          "1 skipped; graph: 10000 replays x 2 algorithms, identical, no timeout")
     assert lines[0] == "  worst bf16: 2 cases, residual_out 3.00e-05, norm_out 1.00e-03"
     report["failures"] = [{"case": "c", "seed": 3, "ranks": {"1": "boom"}}]
@@ -270,7 +270,7 @@ def test_summary_and_report_writer(tmp_path):
     report["graph"] = None
     lines = dc.format_summary(report)
     assert "  FAILED c (seed 3): rank 1: boom" in lines
-    assert lines[-1].startswith("FAILED arfuse.dist_check N=8 cuda nccl: 5 cases, 3 passed, 1 failed")
+    assert lines[-1].startswith("FAILED arfuse.check N=8 cuda nccl: 5 cases, 3 passed, 1 failed")
 
 
 # ---- end to end on the CPU ------------------------------------------------------------------------
@@ -290,13 +290,13 @@ def test_world_1_in_process_with_the_real_cpu_op(lib, tmp_path, capsys):
     assert env["multicast_env"] == dc.MULTICAST_OFF
     assert env["torch"] == torch.__version__ and env["ranks"][0]["device"] == "cpu"
     assert {r["suite"] for r in report["cases"]} == set(dc.SUITES) - {"graph", "specialised"}
-    assert out.strip().splitlines()[-1].startswith("PASSED arfuse.dist_check N=1 cpu gloo")
+    assert out.strip().splitlines()[-1].startswith("PASSED arfuse.check N=1 cpu gloo")
     assert not torch.distributed.is_initialized()
 
 
 def _torchrun(nproc, args, tmp_path, timeout=120):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), "-m", "arfuse.dist_check", "--out", str(tmp_path), *args]
+           str(nproc), "-m", "arfuse.check", "--out", str(tmp_path), *args]
     return subprocess.run(cmd, cwd=ROOT, env=_env(OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=timeout)
 
@@ -311,7 +311,7 @@ def test_torchrun_world_1_real_cpu_op(lib, tmp_path):
 
 
 def _launch_ranks(world, args, tmp_path, timeout=120):
-    """`world` processes of `python -m arfuse.dist_check` with the environment torchrun gives its
+    """`world` processes of `python -m arfuse.check` with the environment torchrun gives its
     workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT: env:// rendezvous), without
     torchrun's own process (one torch import less on a 2-core CI machine)."""
     import socket
@@ -325,7 +325,7 @@ def _launch_ranks(world, args, tmp_path, timeout=120):
                    WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "arfuse.dist_check", "--out", str(tmp_path), *args], cwd=ROOT,
+            [sys.executable, "-m", "arfuse.check", "--out", str(tmp_path), *args], cwd=ROOT,
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
@@ -358,7 +358,7 @@ def test_two_cpu_ranks_harness_catches_a_bad_rank(tmp_path):
             assert "residual_out of rank 1 differs bitwise from rank 0" in c["ranks"]["0"]
             assert "residual_out of rank 1 differs bitwise" in c["ranks"]["1"]
     assert len(r["failures"]) == 6
-    assert outs[0].strip().splitlines()[-1].startswith("FAILED arfuse.dist_check N=2 cpu gloo")
+    assert outs[0].strip().splitlines()[-1].startswith("FAILED arfuse.check N=2 cpu gloo")
     assert outs[1].strip() == "", "only rank 0 prints"
     assert [x["rank"] for x in r["environment"]["ranks"]] == [0, 1]
     assert r["environment"]["multicast_env"] == dc.MULTICAST_OFF  # unset in the launch env
@@ -382,7 +382,7 @@ def test_multigpu_script_plan_on_8_gpus():
     for n in (2, 4, 8):
         for lib in ("default", "ci"):
             cmd = runs[f"check-{lib}-w{n}"]
-            assert f"--nproc-per-node {n} -m arfuse.dist_check" in cmd
+            assert f"--nproc-per-node {n} -m arfuse.check" in cmd
             assert "-m torch.distributed.run --standalone" in cmd
         assert "build/ci/lib/libarfuse_ops.so" in runs[f"check-ci-w{n}"]
         assert "arfuse/_lib/libarfuse_ops.so" in runs[f"check-default-w{n}"]

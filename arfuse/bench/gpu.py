@@ -16,15 +16,14 @@ from __future__ import annotations
 import gc
 import inspect
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from . import _bench_bytes as BB
-from . import _bench_report as BR
+from . import byte_counts as BB
+from . import report as BR
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-5}
@@ -51,7 +50,7 @@ class Setup:
     gamma_plus: torch.Tensor  # float32 gamma + weight_bias, for the PyTorch composition
     group: object = None      # LocalGroup (emulated)
     comm: object = None       # Communicator (torchrun)
-    gloo: object = None       # CPU process group (torchrun)
+    pg: object = None         # arfuse._tools.ranks.ProcessRanks (torchrun): the process groups
     ar: object = None         # the arfuse module
     fi: object = None         # FlashInfer wrapper (torchrun, when importable)
     notes: list = field(default_factory=list)
@@ -69,15 +68,13 @@ class Setup:
     def barrier(self):
         torch.cuda.synchronize(self.device)
         if not self.emulated:
-            dist.barrier(group=self.gloo)
+            self.pg.barrier()
 
     def max_over_ranks(self, values: list) -> list:
         """Element-wise maximum over ranks (CPU gloo collective, usable after a CUDA error)."""
-        if self.emulated or not values:
+        if self.emulated:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.gloo)
-        return t.tolist()
+        return self.pg.max_over(values)
 
 
 def make_setup(args) -> Setup:
@@ -97,18 +94,11 @@ def make_setup(args) -> Setup:
         group = LocalGroup(args.world_size, max_tokens=max_tokens, hidden=args.hidden,
                            dtype=dtype, device=device, timeout_s=args.comm_timeout)
         group.__enter__()
-        rank, ranks, comm, gloo = 0, list(range(args.world_size)), None, None
+        rank, ranks, comm, pranks = 0, list(range(args.world_size)), None, None
     else:
-        rank = int(os.environ["RANK"])
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        if not dist.is_initialized():
-            try:
-                dist.init_process_group("nccl", device_id=device)
-            except TypeError:  # older torch without device_id
-                dist.init_process_group("nccl")
-        gloo = dist.new_group(backend="gloo")  # the bench's own CPU collectives
+        from arfuse._tools.ranks import ProcessRanks
+        pranks = ProcessRanks(device="cuda", backend="nccl")
+        rank, device = pranks.rank, pranks.device
         comm = ar.Communicator(None, max_tokens=max_tokens, hidden=args.hidden, dtype=dtype,
                                device=device, timeout_s=args.comm_timeout)
         group, ranks = None, [rank]
@@ -120,7 +110,7 @@ def make_setup(args) -> Setup:
                   emulated=bool(args.emulate), world_size=args.world_size, rank=rank,
                   ranks=ranks, gamma=gamma,
                   gamma_plus=gamma.float() + float(args.weight_bias), group=group, comm=comm,
-                  gloo=gloo, ar=ar)
+                  pg=pranks, ar=ar)
     if not setup.emulated and any(i.startswith("flashinfer") for i in args.impls):
         try:
             setup.fi = FlashInfer(setup, max_tokens)
@@ -182,11 +172,8 @@ def close_setup(setup: Setup) -> None:
             close()
     if setup.fi is not None:
         setup.fi.close()
-    if not setup.emulated and dist.is_initialized():
-        try:
-            dist.barrier(group=setup.gloo)
-        finally:
-            dist.destroy_process_group()
+    if setup.pg is not None:
+        setup.pg.close(barrier=True)
 
 
 def oneshot_threshold(setup: Setup):
@@ -428,7 +415,7 @@ class _QuantBase:
     STATIC_SCALE = 1.0 / 64  # RMSNorm outputs of the bench's inputs stay well inside 448/64
 
     def _init_quant(self, setup):
-        from . import _bench_quant as BQ
+        from . import quant as BQ
         self.BQ, self.kind = BQ, setup.args.quant
         self.static = torch.full((1,), self.STATIC_SCALE, dtype=torch.float32,
                                  device=setup.device)
@@ -474,7 +461,7 @@ class ArfuseQuant(_QuantBase, PerRank):
 
 class ArfuseSepQuant(_QuantBase, TwoPhase):
     """arfuse_sepq: arfuse with the activation-dtype output, then one Triton quantization kernel
-    on it (arfuse/_bench_quant.py). Two group.run phases when emulated: LocalGroup defers the
+    on it (arfuse/bench/quant.py). Two group.run phases when emulated: LocalGroup defers the
     fused launches until every rank's fn has returned, so a quantization kernel issued in the same
     fn would be queued before the kernel that writes its input."""
 

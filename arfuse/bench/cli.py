@@ -21,7 +21,7 @@ Two ways to run::
     torchrun --nproc-per-node 8 -m arfuse.bench --model deepseek-v3 --out bench-out
 
 Timing is CUDA-graph replay: ``--graph-calls`` consecutive calls per graph up to 128 tokens,
-proportionally fewer above (at least 2; ``_bench_bytes.graph_calls_for``) (all N ranks' calls
+proportionally fewer above (at least 2; ``byte_counts.graph_calls_for``) (all N ranks' calls
 when emulated: each rank issues its calls on its own stream forked from the capture stream and
 joined back, so replays run the ranks concurrently), at least 50 timed replays, per-call time =
 replay time / graph-calls; median and p10/p90 reported. Inputs rotate over enough distinct sets
@@ -39,7 +39,7 @@ join. The PyTorch composition's "all-reduce" is every rank summing the N partial
 ``--tune`` times one-shot and two-shot only and prints the largest T at which one-shot is faster,
 as a row for ``variants/tuning.yaml``.
 
-Byte counts (bytes moved per call per rank) are documented in ``arfuse._bench_bytes``.
+Byte counts (bytes moved per call per rank) are documented in ``arfuse.bench.byte_counts``.
 
 This module imports neither torch nor the compiled library at import time: ``--help`` and the
 argument checks run anywhere.
@@ -48,18 +48,18 @@ argument checks run anywhere.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import difflib
 import json
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
-from . import _bench_bytes as BB
-from . import _bench_report as BR
-from ._cli import HelpFormatter
+from . import byte_counts as BB
+from . import report as BR
+from .._cli import HelpFormatter
+from .._tools.provenance import run_info
+from .._tools.ranks import torchrun_world
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 DEFAULT_TOKENS = [1 << i for i in range(14)]  # 1, 2, 4, ..., 8192
@@ -246,12 +246,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _torchrun_world() -> int | None:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return None
-
-
 def resolve_args(ns: argparse.Namespace, *, env_world: int | None = None) -> argparse.Namespace:
     """Checks and completes parsed arguments (no GPU needed). Raises BenchError."""
     ns.tokens = parse_tokens(ns.tokens)
@@ -333,7 +327,7 @@ def parse_args(argv=None, *, env_world: int | None = None) -> argparse.Namespace
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
-        return resolve_args(ns, env_world=_torchrun_world() if env_world is None else env_world)
+        return resolve_args(ns, env_world=torchrun_world() if env_world is None else env_world)
     except BenchError as e:
         parser.error(str(e))
 
@@ -358,21 +352,6 @@ def title(ns, card: str) -> str:
             f"{ns.layout}{quant} ({mode}) — {card}")
 
 
-def git_commit() -> str | None:
-    """$ARFUSE_COMMIT if set (a tree copied without its .git, e.g. to a GPU machine, names its
-    commit that way), else git rev-parse HEAD of the package's checkout."""
-    if os.environ.get("ARFUSE_COMMIT"):
-        return os.environ["ARFUSE_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_package_dir(),
-                             capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return os.environ.get("ARFUSE_COMMIT") or None
-
-
 def command_line(ns, argv) -> str:
     launcher = (["python", "-m", "arfuse.bench"] if ns.emulate else
                 ["torchrun", f"--nproc-per-node={ns.world_size}", "-m", "arfuse.bench"])
@@ -380,14 +359,9 @@ def command_line(ns, argv) -> str:
 
 
 def environment(ns, res: dict, argv) -> dict:
-    import torch
-    env = {
+    env = run_info(command_line(ns, argv))
+    env.update({
         "card": res.get("card"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "arfuse_commit": git_commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command_line(ns, argv),
         "mode": "emulated" if ns.emulate else "torchrun",
         "world_size": ns.world_size,
         "copy_gbps": res.get("copy_gbps"),
@@ -400,12 +374,7 @@ def environment(ns, res: dict, argv) -> dict:
         "failed_checks": res.get("failed_check", []),
         "notes": res.get("notes", []),
         "aborted": res.get("aborted"),
-    }
-    try:
-        import arfuse
-        env["arfuse_version"] = getattr(arfuse, "__version__", None)
-    except Exception:
-        pass
+    })
     return env
 
 
@@ -482,12 +451,12 @@ def main(argv=None) -> int:
               "benchmark needs one GPU (--emulate) or one GPU per rank (torchrun)",
               file=sys.stderr)
         return 1
-    if ns.emulate and _torchrun_world() not in (None, 1):
+    if ns.emulate and torchrun_world() not in (None, 1):
         print("arfuse.bench: --emulate runs in one process; do not launch it with torchrun",
               file=sys.stderr)
         return 2
 
-    from . import _bench_cuda
+    from . import gpu
 
     out = Path(ns.out)
     partial = out / f"{output_stem(ns)}.csv"
@@ -497,7 +466,7 @@ def main(argv=None) -> int:
         BR.write_csv(partial, [dict(r) for r in rows])
 
     try:
-        res = _bench_cuda.run(ns, on_token_done=checkpoint)
+        res = gpu.run(ns, on_token_done=checkpoint)
     except (RuntimeError, ValueError, TypeError) as e:  # e.g. library missing, shape not served
         import traceback
         traceback.print_exc()

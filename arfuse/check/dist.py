@@ -1,8 +1,8 @@
-"""The correctness suite with one process per GPU: ``torchrun -m arfuse.dist_check``.
+"""The correctness suite with one process per GPU: ``torchrun -m arfuse.check``.
 
-    torchrun --nproc-per-node 8 -m arfuse.dist_check --out dist-check   # every case, 10,000 replays
-    torchrun --nproc-per-node 2 -m arfuse.dist_check --quick             # a subset, 200 replays
-    python -m arfuse.dist_check --quick                                  # world size 1 (CPU: the CPU op)
+    torchrun --nproc-per-node 8 -m arfuse.check --out dist-check   # every case, 10,000 replays
+    torchrun --nproc-per-node 2 -m arfuse.check --quick             # a subset, 200 replays
+    python -m arfuse.check --quick                                  # world size 1 (CPU: the CPU op)
 
 Each process drives one GPU (LOCAL_RANK) with the real ``arfuse.Communicator`` over the default
 process group (NCCL on GPUs, gloo on the CPU; ``--backend``), plus a gloo group of its own for the
@@ -54,12 +54,13 @@ import datetime as _dt
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 import zlib
 from pathlib import Path
+
+from .._tools.provenance import command_output, run_info
+from .._tools.ranks import ProcessRanks, RanksError, torchrun_world
 
 # NVLink multicast off (see the docstring). Defaults only: an explicit setting is kept, and
 # recorded in the report, with a warning when it turns multicast on.
@@ -113,10 +114,10 @@ class DistCheckError(Exception):
 # ============================================================================ arguments
 
 def build_parser() -> argparse.ArgumentParser:
-    from ._cli import HelpFormatter
+    from .._cli import HelpFormatter
 
     p = argparse.ArgumentParser(
-        prog="torchrun --nproc-per-node N -m arfuse.dist_check",
+        prog="torchrun --nproc-per-node N -m arfuse.check",
         description="arfuse's correctness suite with one process per GPU: the real Communicator, "
                     "every case of the one-shot/two-shot suites checked element by element "
                     "against a float64 reference, outputs bitwise identical across ranks, and a "
@@ -233,8 +234,8 @@ def build_cases(world: int, *, quick: bool = False, max_tokens: int = DEFAULT_MA
                 specialised=(), suites=SUITES) -> list[DistCase]:
     """The cases of the GPU suites for a world size, in a fixed order (every rank builds the same
     list). The graph check is not a case (see run_graph)."""
-    from ._checks import OPTION_CASES, Case  # OPTION_CASES: the GPU suite's input forms
-    from ._vocab import DTYPES, KERNEL_ALGORITHMS
+    from .._checks import OPTION_CASES, Case  # OPTION_CASES: the GPU suite's input forms
+    from .._vocab import DTYPES, KERNEL_ALGORITHMS
 
     def shapes(suite):
         return SHAPES[suite][1 if quick else 0]
@@ -313,7 +314,7 @@ def case_seed(base: int, name: str) -> int:
 # ============================================================================ report
 
 def dtype_key(case) -> str:
-    from ._vocab import DTYPE_NAME_OF
+    from .._vocab import DTYPE_NAME_OF
 
     d = DTYPE_NAME_OF[case.dtype]
     return f"fp8_e4m3 (from {d})" if case.fp8 else d
@@ -362,7 +363,7 @@ def format_summary(report: dict) -> list[str]:
                      "; ".join(f"rank {r}: {m}" for r, m in sorted(f["ranks"].items())))
     if len(report["failures"]) > 20:
         lines.append(f"  ... {len(report['failures']) - 20} more failures in the report")
-    verdict = (f"{'PASSED' if s['ok'] else 'FAILED'} arfuse.dist_check N={report['world_size']} "
+    verdict = (f"{'PASSED' if s['ok'] else 'FAILED'} arfuse.check N={report['world_size']} "
                f"{report['device']} {report['backend']}: {s['cases']} cases, {s['passed']} passed, "
                f"{s['failed']} failed, {s['skipped']} skipped")
     g = report.get("graph") or {}
@@ -372,28 +373,6 @@ def format_summary(report: dict) -> list[str]:
     elif g:
         verdict += f"; graph: {g.get('status')}" + (f" ({g['reason']})" if g.get("reason") else "")
     return lines + [verdict]
-
-
-def git_commit() -> str | None:
-    """$ARFUSE_COMMIT (a tree copied without .git names its commit that way), else git HEAD."""
-    if os.environ.get("ARFUSE_COMMIT"):
-        return os.environ["ARFUSE_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(__file__),
-                             capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return None
-
-
-def _command(args: list[str]) -> str | None:
-    try:
-        out = subprocess.run(args, capture_output=True, text=True, timeout=20)
-        return out.stdout.strip() if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 # ============================================================================ running
@@ -408,78 +387,41 @@ class Runner:
         self.args = args
         self.torch, self.dist = torch, dist
         self.fake = args.fake_op
-        self.owns_pg = False
         self.comms: dict = {}
-        under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        world = int(os.environ["WORLD_SIZE"]) if under_torchrun else 1
-        self.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
-
-        want = args.device
-        if want == "auto":
-            want = "cuda" if torch.cuda.is_available() else "cpu"
-        if want == "cuda" and not torch.cuda.is_available():
-            raise DistCheckError("--device cuda: no CUDA device is visible")
-        if want == "cpu" and world > 1 and not self.fake:
-            raise DistCheckError(
-                f"world size {world} on the CPU: the CPU implementation serves world size 1 only "
-                "(every rank of a real run needs its own GPU)")
-        if want == "cuda":
-            if self.local_rank >= torch.cuda.device_count():
-                raise DistCheckError(f"LOCAL_RANK {self.local_rank} but only "
-                                     f"{torch.cuda.device_count()} CUDA devices are visible")
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            self.device = torch.device("cpu")
-        self.is_cuda = self.device.type == "cuda"
+        world = torchrun_world() or 1
         # On the CPU (a test path: small tensors, often several processes on a few cores) one
         # thread per process: OpenMP threads oversubscribing a loaded machine made a quick run
         # 20x slower. Restored by close().
         self.threads = torch.get_num_threads()
-        if not self.is_cuda and "OMP_NUM_THREADS" not in os.environ:
+        want_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+        if want_cpu and world > 1 and not self.fake:
+            raise DistCheckError(
+                f"world size {world} on the CPU: the CPU implementation serves world size 1 only "
+                "(every rank of a real run needs its own GPU)")
+        if want_cpu and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)
-        backend = args.backend
-        if backend == "auto":
-            backend = "nccl" if self.is_cuda else "gloo"
-        if backend == "nccl" and not self.is_cuda:
-            raise DistCheckError("--backend nccl needs CUDA devices")
-
-        timeout = _dt.timedelta(seconds=args.pg_timeout_s)
-        if dist.is_initialized():
-            backend = dist.get_backend()
-        elif under_torchrun:
-            kw = {"device_id": self.device} if backend == "nccl" else {}
-            dist.init_process_group(backend, timeout=timeout, **kw)
-            self.owns_pg = True
-        else:  # one process, world size 1: a store in memory, no port
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
-            self.owns_pg = True
-        self.backend = backend
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.gloo = (dist.group.WORLD if backend == "gloo"
-                     else dist.new_group(backend="gloo", timeout=timeout))
+        try:
+            self.ranks = ProcessRanks(device=args.device, backend=args.backend,
+                                      timeout_s=args.pg_timeout_s)
+        except RanksError as e:
+            torch.set_num_threads(self.threads)
+            raise DistCheckError(str(e)) from None
+        r = self.ranks
+        self.local_rank, self.device, self.is_cuda = r.local_rank, r.device, r.is_cuda
+        self.backend, self.rank, self.world, self.gloo = r.backend, r.rank, r.world, r.gloo
 
     # ---- collectives -------------------------------------------------------------------------
     def gather_obj(self, obj) -> list:
-        if self.world == 1:
-            return [obj]
-        out: list = [None] * self.world
-        self.dist.all_gather_object(out, obj, group=self.gloo)
-        return out
+        return self.ranks.gather_obj(obj)
 
     def broadcast_obj(self, obj):
-        if self.world == 1:
-            return obj
-        box = [obj]
-        self.dist.broadcast_object_list(box, src=0, group=self.gloo)
-        return box[0]
+        return self.ranks.broadcast_obj(obj)
 
     def gather_tensor(self, t):
         """Every rank's copy of `t` (same shape and dtype on every rank), in rank order, as raw
         bytes compared on this rank (GPU tensors gathered over NCCL, CPU ones over gloo)."""
         torch = self.torch
-        from ._checks import bits
+        from .._checks import bits
 
         if self.world == 1:
             return [t]
@@ -529,11 +471,7 @@ class Runner:
     def close(self) -> None:
         for key in list(self.comms):
             self.drop_comm(*key)
-        if self.owns_pg:
-            try:
-                self.dist.destroy_process_group()
-            except Exception:
-                pass
+        self.ranks.close()
         self.torch.set_num_threads(self.threads)
 
     # ---- support -----------------------------------------------------------------------------
@@ -542,7 +480,7 @@ class Runner:
         if self.fake:
             return None
         import arfuse
-        from ._vocab import DTYPE_NAME_OF, KERNEL_ALGORITHMS
+        from .._vocab import DTYPE_NAME_OF, KERNEL_ALGORITHMS
 
         output = "fp8_static" if case.fp8 else "norm"
         algos = list(KERNEL_ALGORITHMS) if "auto" in algorithms else algorithms
@@ -561,7 +499,7 @@ def fingerprint(tensors) -> int:
     """A checksum of the raw bytes of `tensors` (position-weighted, so a moved byte counts)."""
     import torch
 
-    from ._checks import bits
+    from .._checks import bits
 
     total = 0
     chunk = 1 << 24
@@ -589,7 +527,7 @@ def _fake_call(runner, dc, inputs, algorithm, rank):
     """The op's definition in float32 from all ranks' inputs (testing seam, no kernel)."""
     import torch
 
-    from . import reference
+    from .. import reference
 
     case = dc.case
     ranks, residual, gamma = inputs
@@ -617,7 +555,7 @@ def call_op(runner, dc, comm, inputs, algorithm):
     import torch
 
     import arfuse
-    from ._checks import poison_like
+    from .._checks import poison_like
 
     if runner.fake:
         return _fake_call(runner, dc, inputs, algorithm, runner.rank)
@@ -672,7 +610,7 @@ def run_case(runner, dc: DistCase, seed: int) -> dict:
     """Runs and checks one case on every rank (collectively); the record of the case."""
     import torch
 
-    from ._checks import (TOL, bits, check_against_reference, check_bitwise_equal, make_inputs,
+    from .._checks import (TOL, bits, check_against_reference, check_bitwise_equal, make_inputs,
                           reference_for)
 
     case = dc.case
@@ -766,9 +704,9 @@ def run_graph(runner, seed: int, replays: int, quick: bool) -> dict:
     import torch
 
     import arfuse
-    from ._checks import (Case, bits, check_against_reference, check_bitwise_equal, make_inputs,
+    from .._checks import (Case, bits, check_against_reference, check_bitwise_equal, make_inputs,
                           reference_for)
-    from ._vocab import DTYPES, KERNEL_ALGORITHMS
+    from .._vocab import DTYPES, KERNEL_ALGORITHMS
 
     hidden, d = SHAPES["graph"][1 if quick else 0][0]
     case = Case(runner.world, hidden, DTYPES[d], min(17, runner.args.max_tokens), "permuted", 8,
@@ -867,21 +805,8 @@ def run_graph(runner, seed: int, replays: int, quick: bool) -> dict:
 def environment(runner) -> dict:
     import torch
 
-    from . import _lib
-
-    env = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "arfuse_commit": git_commit(),
-        "library": _lib.library_path(),
-        "manifest": _lib.manifest_path(),
-        "library_api_version": _lib._manifest_api_version(),
-        "multicast_env": {k: os.environ.get(k) for k in MULTICAST_OFF},
-        "command": " ".join(sys.argv),
-    }
+    env = run_info()
+    env["multicast_env"] = {k: os.environ.get(k) for k in MULTICAST_OFF}
     try:
         env["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if runner.is_cuda else None
     except Exception:
@@ -896,18 +821,18 @@ def environment(runner) -> dict:
         mine = {"rank": runner.rank, "device": "cpu", "name": platform.processor() or "cpu"}
     env["ranks"] = runner.gather_obj(mine)
     if runner.rank == 0:
-        env["gpus"] = _command(["nvidia-smi", "--query-gpu=index,name,driver_version,"
+        env["gpus"] = command_output(["nvidia-smi", "--query-gpu=index,name,driver_version,"
                                 "memory.total,pci.bus_id", "--format=csv,noheader"])
-        drv = _command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        drv = command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
         env["driver"] = drv.splitlines()[0].strip() if drv else None
-        env["topology"] = _command(["nvidia-smi", "topo", "-m"])
+        env["topology"] = command_output(["nvidia-smi", "topo", "-m"])
     return env
 
 
 def run(args) -> tuple[dict, int]:
     """The whole check on this rank. Returns (report, exit status); only rank 0's report is
     written."""
-    from . import _lib
+    from .. import _lib
 
     runner = Runner(args)
     try:
@@ -915,7 +840,7 @@ def run(args) -> tuple[dict, int]:
             _lib.require()
         said = multicast_off()
         if said and runner.rank == 0:
-            print(f"arfuse.dist_check: warning: multicast variables set to turn it on: {said}",
+            print(f"arfuse.check: warning: multicast variables set to turn it on: {said}",
                   file=sys.stderr)
         base = runner.broadcast_obj(args.seed if args.seed is not None
                                     else int.from_bytes(os.urandom(4), "little") >> 1)
@@ -949,7 +874,7 @@ def run(args) -> tuple[dict, int]:
             failures.append({"case": f"graph:{graph['case']}", "seed": graph["seed"],
                              "ranks": graph["ranks"]})
         report = {
-            "tool": "arfuse.dist_check",
+            "tool": "arfuse.check",
             "ok": summary["ok"],
             "world_size": runner.world,
             "device": runner.device.type,
@@ -983,15 +908,15 @@ def main(argv=None) -> int:
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("arfuse.dist_check: PyTorch is not installed", file=sys.stderr)
+        print("arfuse.check: PyTorch is not installed", file=sys.stderr)
         return 1
     try:
         _, rc = run(args)
     except DistCheckError as e:
-        print(f"arfuse.dist_check: error: {e}", file=sys.stderr)
+        print(f"arfuse.check: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # e.g. the library missing or stale
-        print(f"arfuse.dist_check: {e}", file=sys.stderr)
+        print(f"arfuse.check: {e}", file=sys.stderr)
         return 1
     return rc
 

@@ -1,0 +1,5 @@
+import sys
+
+from .dist import main
+
+sys.exit(main())
