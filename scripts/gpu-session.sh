@@ -38,12 +38,8 @@ default_build=$!
 if [ -z "${SKIP_CHECK:-}" ]; then
   scripts/gpu-check.sh "$out" 2>&1 | tail -n 15
   if [ "${SANITIZE:-1}" != 0 ]; then
-    export ARFUSE_LIBRARY=$PWD/build/ci/lib/libarfuse_ops.so ARFUSE_MANIFEST=$PWD/build/ci/out/manifest.json
-    for tool in memcheck racecheck; do
-      timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_case.py \
-        >"$out/sanitizer-$tool.log" 2>&1
-      echo "sanitizer $tool: rc=$? $(tail -n 1 "$out/sanitizer-$tool.log")"
-    done
+    ARFUSE_LIBRARY=$PWD/build/ci/lib/libarfuse_ops.so ARFUSE_MANIFEST=$PWD/build/ci/out/manifest.json \
+      scripts/gpu-sanitize.sh "$out" 120
   fi
   echo "check done at $(( $(date +%s) - start )) s"
 fi

@@ -27,16 +27,8 @@ old_build=$!
 
 if [ -z "${SKIP_CHECK:-}" ]; then
   scripts/gpu-check.sh "$out" 2>&1 | tail -n 12
-  export ARFUSE_LIBRARY=$new/build/ci/lib/libarfuse_ops.so ARFUSE_MANIFEST=$new/build/ci/out/manifest.json
-  for tool in memcheck racecheck; do
-    timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_case.py \
-      >"$out/sanitizer-$tool.log" 2>&1
-    echo "sanitizer $tool: rc=$? $(tail -n 1 "$out/sanitizer-$tool.log")"
-  done
-  # The misuse cases (issue 14) under memcheck: nothing may touch freed memory.
-  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gpu_misuse.py >"$out/sanitizer-misuse.log" 2>&1
-  echo "sanitizer memcheck on test_gpu_misuse.py: rc=$? $(grep -E 'ERROR SUMMARY|passed|failed' "$out/sanitizer-misuse.log" | tr '\n' ' ')"
+  ARFUSE_LIBRARY=$new/build/ci/lib/libarfuse_ops.so ARFUSE_MANIFEST=$new/build/ci/out/manifest.json \
+    MISUSE=1 scripts/gpu-sanitize.sh "$out" 150
   stamp "check done"
 else
   make lib MATRIX=ci GENDIR=build/ci/out BUILD=build/ci/obj LIBDIR=build/ci/lib PYTHON=python3 \
