@@ -19,6 +19,8 @@
 #   BENCH_VLLM_TODAY=1  instead of the models: issue 13's "vLLM today" runs (--layout dense
 #                     --weights-dtype none: vLLM's router-weighted rows; arfuse fused vs vLLM's
 #                     moe_sum + copy + scale/shared + AR/norm) for the four models below at their N
+#   BENCH_LADDER=1    first: issue 16's latency ladder (python -m arfuse.bench.ladder) for the four
+#                     configurations of its table, T = LADDER_TOKENS (default 1,2,4,8,16)
 #   BENCH_ARGS        more arguments for every python -m arfuse.bench
 #   DEADLINE_S        seconds from the start after which no run starts and a running one is cut
 #                     (default 540)
@@ -57,6 +59,17 @@ one_run() {  # name, then python -m arfuse.bench arguments
   echo "$name: rc=$? at $(( $(date +%s) - start )) s: $(tail -n 1 "$bench/$name.log")"
   tar czf "$out/bench.tgz" -C build bench   # after every run: a call cut off still returns what ran
 }
+
+if [ -n "${BENCH_LADDER:-}" ]; then
+  for run in "deepseek-v3 8" "qwen3-235b-a22b 4" "qwen3-30b-a3b 2" "gpt-oss-120b 4"; do
+    set -- $run
+    t=$(left); [ "$t" -gt 15 ] || { echo "deadline: ladder $1 not run"; break; }
+    timeout "$t" python3 -m arfuse.bench.ladder --model "$1" --world-size "$2" \
+      --tokens "${LADDER_TOKENS:-1,2,4,8,16}" --out "$bench/ladder" >"$bench/ladder-$1-w$2.log" 2>&1
+    echo "ladder $1 w$2: rc=$? at $(( $(date +%s) - start )) s"
+    tar czf "$out/bench.tgz" -C build bench
+  done
+fi
 
 kind=bench; extra=()
 if [ -n "${BENCH_TUNE:-}" ]; then kind=tune; extra=(--tune); BENCH_QUANT=""; fi

@@ -641,3 +641,48 @@ def test_vllm_today_composition_on_the_cpu(shared, scaling):
     assert BC.rel_err(norm, ref[0]) <= BC.TOLERANCE["bf16"]
     assert BC.rel_err(res, ref[1]) <= BC.TOLERANCE["bf16"]
     assert BC.rel_err(impl.once(1)[0][0], ref[0]) > 0.1
+
+
+# ---------------------------------------------------------------- the latency ladder (issue 16)
+
+def test_ladder_table_from_synthetic_rungs():
+    from arfuse.bench import ladder
+
+    ns = ladder.build_parser().parse_args(["--model", "deepseek-v3", "--world-size", "8"])
+    med = {"empty": 3.0, "floor": 7.0, "plain": 8.0, "dense": 9.0, "dense_nw": 8.5,
+           "permuted": 9.5, "shared": 10.0, "scaled": 10.0}
+    res = {r: {1: BR.new_row("arfuse", 1, median_us=m), 16: BR.new_row("arfuse", 16, note="x")}
+           for r, m in med.items()}
+    md = ladder.markdown(ns, {"rungs": list(med), "results": res, "card": "Fake"}, [1, 16])
+    rows = {l.split("|")[1].strip(): [c.strip() for c in l.strip("|").split("|")]
+            for l in md.splitlines() if l.startswith("| ") and not l.startswith("| rung")}
+    assert rows["empty"][2] == "3.00" and rows["floor"][2] == "7.00 (+4.00)"
+    assert rows["dense_nw"][2] == "8.50 (-0.50)"      # beside dense ...
+    assert rows["permuted"][2] == "9.50 (+0.50)"      # ... so permuted is compared with dense
+    assert rows["scaled"][3] == "skip" and "- scaled T=16: x" in md
+
+
+def test_ladder_rungs_are_bench_arguments():
+    from arfuse.bench import ladder
+
+    for rung, (_, argv) in ladder.RUNGS.items():
+        ns = bench.parse_args(["--emulate", "--model", "deepseek-v3", "--impls", "arfuse", *argv])
+        assert ns.layout in ("plain", "dense", "permuted"), rung
+    assert ladder.GRAPH_CALLS % 3 == 0  # floor.cu's slot rotation
+
+
+def test_floor_kernel_compiles(tmp_path, monkeypatch):
+    """floor.cu builds for every world size the ladder uses (nvcc and torch's cudart needed)."""
+    pytest.importorskip("torch")
+    from arfuse.bench import ladder
+
+    recorded = Path(ROOT) / "build" / "nvcc.path"  # where make put the toolchain's nvcc
+    nvcc = os.environ.get("NVCC") or (recorded.read_text().strip() if recorded.exists() else "")
+    if not nvcc or not Path(nvcc).exists() or ladder._cudart_dir() is None:
+        pytest.skip("no nvcc or cudart here")
+    monkeypatch.setenv("NVCC", nvcc)
+    for n in (2, 8):
+        so = ladder.compile_floor(n, tmp_path)
+        syms = subprocess.run(["nm", "-D", str(so)], capture_output=True, text=True).stdout
+        for name in ("floor_launch", "empty_launch", "floor_prepare", "world_size"):
+            assert f" T {name}" in syms

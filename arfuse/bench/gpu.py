@@ -940,13 +940,15 @@ def _cuda_alive(device) -> bool:
         return False
 
 
-def run(args, on_token_done=None) -> dict:
+def run(args, on_token_done=None, factories=None) -> dict:
     """Time every implementation at every token count. Returns a dict: rows, copy_gbps,
     oneshot_max_tokens, notes, checks, failed_check, aborted, is_main, l2_bytes, card,
-    flashinfer, flashinfer_api."""
+    flashinfer, flashinfer_api. ``factories``: more implementations, name -> f(setup, sets, T)
+    returning an Impl (arfuse.bench.ladder's rungs); an Impl whose ``check`` is False computes
+    nothing checkable and is timed without the correctness guard."""
     setup = make_setup(args)
     try:
-        return _run(setup, on_token_done)
+        return _run(setup, on_token_done, factories or {})
     finally:
         close_setup(setup)
 
@@ -956,7 +958,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0][:200] if msg else ''}"
 
 
-def _run(setup: Setup, on_token_done=None) -> dict:
+def _run(setup: Setup, on_token_done=None, factories=None) -> dict:
     a = setup.args
     notes = setup.notes
     copy_gbps = copy_bandwidth(setup.device, a.copy_mb)
@@ -1018,7 +1020,8 @@ def _run(setup: Setup, on_token_done=None) -> dict:
                 row = BR.new_row(name, T, replays=a.replays, graph_calls=G, input_sets=n_sets)
                 result, impl = "", None
                 try:
-                    impl = build_impl(name, setup, sets, T, thr)
+                    impl = (factories[name](setup, sets, T) if name in (factories or {})
+                            else build_impl(name, setup, sets, T, thr))
                 except Skip as e:  # deterministic: the same on every rank
                     row["note"], result = str(e), "skip"
                 if impl is not None:
@@ -1032,7 +1035,8 @@ def _run(setup: Setup, on_token_done=None) -> dict:
                     # guard rail: one call against the float32 reference (collective status)
                     local_msg = None
                     try:
-                        err = check_local(setup, impl, ref)
+                        err = check_local(setup, impl, ref) if getattr(impl, "check", True) \
+                            else 0.0
                     except Exception as e:
                         err, local_msg = math.inf, _first_line(e)
                     fail, err = setup.max_over_ranks([1.0 if local_msg else 0.0, err])

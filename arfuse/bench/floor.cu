@@ -1,0 +1,219 @@
+// The floor of the latency ladder (python -m arfuse.bench.ladder, issue 16): the least work a
+// one-shot all-reduce + residual add + RMSNorm of bf16 rows needs, and nothing else -- each
+// rank pushes its [T, H] row into every rank's buffer, polls its own buffer until the N rows are
+// there, resets them to the sentinel as it reads them, sums them in rank order in float32, adds
+// the residual, writes residual_out (bf16) and the RMSNorm of it. No finalize, no shared row, no
+// epoch or completion counter (the caller passes the slot: call c of a graph uses slot c % 3),
+// no timeout, no grid cap: one block per token, one 16-byte vector per thread.
+//
+// A benchmark tool, not part of the library: compiled on the GPU machine by the ladder with the
+// nvcc it finds (one shared object per world size), launched through ctypes on the caller's
+// stream (so that CUDA-graph capture records it).
+//
+// Protocol facts it relies on (the same as arfuse's one-shot, docs/design.md): a pushed value is
+// never the sentinel (-0.0 in every bf16 lane; pushes are canonicalised to +0.0), every slot is
+// all-sentinel when a call starts (each reader resets what it read), and three slots rotate so
+// that no rank can push into a slot a peer is still reading.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#ifndef FLOOR_WORLD
+#error "compile with -DFLOOR_WORLD=N"
+#endif
+
+namespace {
+
+constexpr int kWorld = FLOOR_WORLD;
+
+__device__ __forceinline__ float bf16_to_float(uint32_t bits16) {
+  return __uint_as_float(bits16 << 16);
+}
+
+// float -> bf16, round to nearest even; NaN stays a (quiet) NaN.
+__device__ __forceinline__ uint32_t float_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return u >> 16;
+}
+
+__device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = bf16_to_float(w[i] & 0xffffu);
+    f[2 * i + 1] = bf16_to_float(w[i] >> 16);
+  }
+}
+
+__device__ __forceinline__ uint4 pack(const float (&f)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = float_to_bf16(f[2 * i]) | (float_to_bf16(f[2 * i + 1]) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ uint32_t canonical_word(uint32_t w) {
+  if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
+  if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
+  return w;
+}
+
+__device__ __forceinline__ bool has_sentinel(const uint4& v) {
+  auto word = [](uint32_t w) { return ((w & 0xffffu) == 0x8000u) | ((w >> 16) == 0x8000u); };
+  return word(v.x) | word(v.y) | word(v.z) | word(v.w);
+}
+
+__device__ __forceinline__ uint4 ld_nc(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 ld_poll(const void* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_push(void* p, const uint4& v) {
+  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %2, %3, %4};"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+__device__ __forceinline__ void st_plain(void* p, const uint4& v) {
+  *reinterpret_cast<uint4*>(p) = v;
+}
+
+struct FloorArgs {
+  const uint16_t* x;          // [T, H] this rank's partial
+  const uint16_t* residual;   // [T, H]
+  const uint16_t* gamma;      // [H]
+  uint16_t* norm_out;         // [T, H]
+  uint16_t* residual_out;     // [T, H]
+  uint16_t* buffers[kWorld];  // every rank's buffer: 3 slots of [max_tokens][N][H]
+  int64_t slot_elems;
+  int rank, hidden, slot;
+  float eps;
+};
+
+__global__ void floor_oneshot(const __grid_constant__ FloorArgs a) {
+  __shared__ float warp_sums[32];
+  const int t = blockIdx.x;
+  const int v = threadIdx.x;
+  const int nvec = a.hidden / 8;
+  const bool active = v < nvec;
+  const int64_t H = a.hidden;
+  const int64_t elem = static_cast<int64_t>(v) * 8;
+
+  // Every input load issued first: the row, the residual, gamma.
+  uint4 xv = make_uint4(0, 0, 0, 0), rv = xv, gv = xv;
+  if (active) {
+    xv = ld_nc(a.x + t * H + elem);
+    rv = ld_nc(a.residual + t * H + elem);
+    gv = ld_nc(a.gamma + elem);
+  }
+  const int64_t slot_off = static_cast<int64_t>(a.slot) * a.slot_elems;
+  float s[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s[j] = 0.0f;
+  if (active) {
+    const uint4 out = make_uint4(canonical_word(xv.x), canonical_word(xv.y),
+                                 canonical_word(xv.z), canonical_word(xv.w));
+    const int64_t off = slot_off + (static_cast<int64_t>(t) * kWorld + a.rank) * H + elem;
+#pragma unroll
+    for (int q = 0; q < kWorld; ++q) st_push(a.buffers[q] + off, out);
+
+    uint16_t* own = a.buffers[a.rank] + slot_off + static_cast<int64_t>(t) * kWorld * H + elem;
+    uint4 in[kWorld];
+#pragma unroll
+    for (int q = 0; q < kWorld; ++q) in[q] = ld_poll(own + q * H);
+    const uint4 sentinel = make_uint4(0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u);
+#pragma unroll
+    for (int q = 0; q < kWorld; ++q) {
+      while (has_sentinel(in[q])) in[q] = ld_poll(own + q * H);
+      st_plain(own + q * H, sentinel);
+      float f[8];
+      unpack(in[q], f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) s[j] += f[j];
+    }
+  }
+  // residual_out = round(sum + residual); the norm reads the rounded value.
+  float r[8], g[8];
+  unpack(rv, r);
+  unpack(gv, g);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s[j] += r[j];
+  const uint4 ro = pack(s);
+  float ss = 0.0f;
+  if (active) {
+    st_plain(a.residual_out + t * H + elem, ro);
+    unpack(ro, s);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ss = fmaf(s[j], s[j], ss);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if ((v & 31) == 0) warp_sums[v / 32] = ss;
+  __syncthreads();
+  float total = 0.0f;
+  const int warps = (blockDim.x + 31) / 32;
+  for (int w = 0; w < warps; ++w) total += warp_sums[w];
+  const float inv = rsqrtf(total / static_cast<float>(a.hidden) + a.eps);
+  if (active) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s[j] = (s[j] * inv) * g[j];
+    st_plain(a.norm_out + t * H + elem, pack(s));
+  }
+}
+
+__global__ void empty_kernel() {}
+
+}  // namespace
+
+extern "C" {
+
+// One call of the floor kernel on `stream`: T blocks of round_up(H / 8, 32) threads. Returns a
+// cudaError_t (0: launched).
+int floor_launch(const void* x, const void* residual, const void* gamma, void* norm_out,
+                 void* residual_out, void* const* buffers, int64_t slot_elems, int rank,
+                 int tokens, int hidden, int slot, float eps, void* stream) {
+  if (hidden % 8 != 0 || hidden / 8 > 1024 || tokens < 1) return cudaErrorInvalidValue;
+  FloorArgs a;
+  a.x = static_cast<const uint16_t*>(x);
+  a.residual = static_cast<const uint16_t*>(residual);
+  a.gamma = static_cast<const uint16_t*>(gamma);
+  a.norm_out = static_cast<uint16_t*>(norm_out);
+  a.residual_out = static_cast<uint16_t*>(residual_out);
+  for (int q = 0; q < kWorld; ++q) a.buffers[q] = static_cast<uint16_t*>(buffers[q]);
+  a.slot_elems = slot_elems;
+  a.rank = rank;
+  a.hidden = hidden;
+  a.slot = slot;
+  a.eps = eps;
+  const int threads = ((hidden / 8 + 31) / 32) * 32;
+  floor_oneshot<<<tokens, threads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// One empty kernel of one block on `stream` (the ladder's first rung: what a graph node costs).
+int empty_launch(void* stream) {
+  empty_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>();
+  return static_cast<int>(cudaGetLastError());
+}
+
+int world_size() { return kWorld; }
+
+// Loads the floor kernel's module now (CUDA's lazy loading would otherwise load it at the first
+// launch, which must not happen while a peer's copy spins). Returns a cudaError_t.
+int floor_prepare() {
+  cudaFuncAttributes attr;
+  cudaError_t e = cudaFuncGetAttributes(&attr, floor_oneshot);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, empty_kernel);
+  return static_cast<int>(e);
+}
+
+}  // extern "C"
