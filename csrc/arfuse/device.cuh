@@ -129,6 +129,11 @@ __device__ __forceinline__ uint4 sentinel_vec(uint32_t word) {
 // Memory access.
 // ---------------------------------------------------------------------------------------------
 // Read-only input read once: non-coherent path, no L1 allocation.
+// Brings the 128-byte line of p into L1 (no register, no wait): a later load of it hits there.
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -257,7 +262,9 @@ __device__ __forceinline__ float load_weight(const void* base, bool is_f32, int6
 // 8 experts). Rows absent from this rank (index -1) contribute nothing; an index outside
 // [-1, P) makes the token's partial NaN instead of reading out of bounds.
 // ---------------------------------------------------------------------------------------------
-template <typename T>
+// kPrefetchShared: the one-shot kernel's choice (its finalize is on the critical path of every
+// small-T call); the two-shot instances at 7168 spill more with the prefetch's address live.
+template <typename T, bool kPrefetchShared = false>
 __device__ __forceinline__ void finalize_vec(const LaunchParams& p, int64_t t, int64_t elem,
                                              float (&acc)[Elem<T>::kVec]) {
   constexpr int kVec = Elem<T>::kVec;
@@ -265,6 +272,13 @@ __device__ __forceinline__ void finalize_vec(const LaunchParams& p, int64_t t, i
   const T* rows = static_cast<const T*>(p.expert_out);
   const int64_t H = p.hidden;
   const int K = p.top_k;
+  // The shared row is fetched into L1 first, beside the index and weight loads: it depends on
+  // nothing, and its load (volatile asm) comes after the row loop, so without the prefetch it
+  // would start only once the rows are summed. A prefetch holds no register (holding the loaded
+  // row across the loop made ptxas spill).
+  if (kPrefetchShared && p.shared_out != nullptr) {
+    prefetch_l1(static_cast<const T*>(p.shared_out) + t * H + elem);
+  }
 #pragma unroll
   for (int j = 0; j < kVec; ++j) acc[j] = 0.0f;
   bool bad = false;

@@ -428,7 +428,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
       if (v < 0) continue;
       const int64_t elem = static_cast<int64_t>(v) * kVec;
       float acc[kVec];
-      finalize_vec<T>(p, t, elem, acc);
+      finalize_vec<T, kOneShot>(p, t, elem, acc);
       const uint4 out = canonical<T>(pack<T>(acc));
       if constexpr (kOneShot) {
         const int64_t off = slot_off + (static_cast<int64_t>(t) * N + rank) * H + elem;
