@@ -129,6 +129,17 @@ __device__ __forceinline__ uint4 sentinel_vec(uint32_t word) {
 // Memory access.
 // ---------------------------------------------------------------------------------------------
 // Read-only input read once: non-coherent path, no L1 allocation.
+// atomicAdd without a return value (red.relaxed.gpu): the issuing thread does not wait for it.
+__device__ __forceinline__ void red_add_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("red.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v));
+}
+
+__device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // Brings the 128-byte line of p into L1 (no register, no wait): a later load of it hits there.
 __device__ __forceinline__ void prefetch_l1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
