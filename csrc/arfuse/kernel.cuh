@@ -501,6 +501,8 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
       if (!valid || v < 0) continue;
       const int64_t elem = static_cast<int64_t>(v) * kVec;
       if constexpr (kOneShot) {
+        // gamma into L1 before the wait: the norm reads it only after the row's reduction.
+        prefetch_l1(static_cast<const char*>(p.gamma) + elem * (p.gamma_f32 ? 4 : sizeof(T)));
         const uint4 res = p.residual != nullptr
                               ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
                               : make_uint4(0, 0, 0, 0);
