@@ -1,30 +1,37 @@
 #!/usr/bin/env bash
-# A/B of a kernel change in one call on the GPU machine: this tree (new) and an older one (OLD,
-# a git archive under .snap/, ignored) built from variants/ab.yaml side by side, then
-# python -m arfuse.bench of each on the four configurations of issue 16's table, old and new
-# alternating, ROUNDS rounds (default 2); then, with LADDER=1, this tree's latency ladder.
+# A/B of kernel changes in one call on the GPU machine: this tree (new) and older ones (OLD...,
+# git archives under .snap/, ignored; labelled by their folder names; the first is the
+# baseline) built from variants/ab.yaml side by side, then python -m arfuse.bench of each on the
+# four configurations of issue 16's table, the trees alternating, ROUNDS rounds (default 2);
+# then, with LADDER=1, this tree's latency ladder.
 # Prepare here (no Go on the GPU machine):
-#   go run ./gen --matrix ab --out build/ab/out          (in this tree and in OLD)
-#   scripts/kernel_ab.sh $OUT .snap/base     carry [".snap/base", "build/ab/out"]
+#   go run ./gen --matrix ab --out build/ab/out          (in this tree and in every OLD)
+#   scripts/kernel_ab.sh $OUT .snap/base [.snap/s1 ...]   carry [".snap", "build/ab/out"]
 # Knobs: AB_TOKENS (default 1,2,4,8,16,64,1024,8192), ROUNDS, LADDER=1, LADDER_TOKENS,
 # DEADLINE_S (default 560). Results: OUT/ab.tgz (CSVs, markdown, logs of both trees), gpu.txt.
 set -uo pipefail
-out=${1:?usage: scripts/kernel_ab.sh OUTDIR OLDTREE}
-old=$(cd "${2:?usage: scripts/kernel_ab.sh OUTDIR OLDTREE}" && pwd)
+out=${1:?usage: scripts/kernel_ab.sh OUTDIR OLDTREE...}
+shift
+[ $# -ge 1 ] || { echo "usage: scripts/kernel_ab.sh OUTDIR OLDTREE..."; exit 2; }
 new=$PWD
+trees=(); labels=()
+for t in "$@"; do trees+=("$(cd "$t" && pwd)"); labels+=("$(basename "$t")"); done
+trees+=("$new"); labels+=(new)
 mkdir -p "$out"
 start=$(date +%s)
 deadline=${DEADLINE_S:-560}
 left() { echo $(( deadline - ($(date +%s) - start) )); }
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=32
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-echo "new ${ARFUSE_COMMIT:-?} old ${OLD_COMMIT:-?}" | tee -a "$out/gpu.txt"
+echo "new ${ARFUSE_COMMIT:-?}; trees ${labels[*]}" | tee -a "$out/gpu.txt"
+jobs=$(( $(nproc) / ${#trees[@]} )); [ $jobs -ge 1 ] || jobs=1
 build() { (cd "$1" && make lib GENDIR=build/ab/out BUILD=build/ab/obj LIBDIR=build/ab/lib \
-             PYTHON=python3 NVCC=${NVCC:-nvcc} SKIP_GEN=1 JOBS=8) >"$out/build-$2.log" 2>&1; }
-build "$old" old & b_old=$!
-build "$new" new & b_new=$!
-wait $b_old || { echo "old build failed"; tail -n 30 "$out/build-old.log"; exit 1; }
-wait $b_new || { echo "new build failed"; tail -n 30 "$out/build-new.log"; exit 1; }
+             PYTHON=python3 NVCC=${NVCC:-nvcc} SKIP_GEN=1 JOBS=$jobs) >"$out/build-$2.log" 2>&1; }
+pids=()
+for i in "${!trees[@]}"; do build "${trees[$i]}" "${labels[$i]}" & pids+=($!); done
+for i in "${!trees[@]}"; do
+  wait "${pids[$i]}" || { echo "${labels[$i]} build failed"; tail -n 30 "$out/build-${labels[$i]}.log"; exit 1; }
+done
 echo "built at $(( $(date +%s) - start )) s"
 as() { local tree=$1; shift
        (cd "$tree" && ARFUSE_LIBRARY=$tree/build/ab/lib/libarfuse_ops.so \
@@ -33,9 +40,9 @@ ab=$new/build/kab; rm -rf "$ab"; mkdir -p "$ab"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for spec in "deepseek-v3 8" "qwen3-235b-a22b 4" "qwen3-30b-a3b 2" "gpt-oss-120b 4"; do
     set -- $spec
-    for who in old new; do
+    for i in "${!trees[@]}"; do
+      who=${labels[$i]} tree=${trees[$i]}
       t=$(left); [ "$t" -gt 20 ] || { echo "deadline"; break 3; }
-      tree=$old; [ $who = new ] && tree=$new
       as "$tree" timeout "$t" python3 -m arfuse.bench --emulate --model "$1" --world-size "$2" \
         --dtype bf16 --layout permuted --replays 50 --no-plot --impls arfuse \
         --tokens "${AB_TOKENS:-1,2,4,8,16,64,1024,8192}" --out "$ab/$who" --name "$1-w$2-r$round" \
@@ -55,21 +62,24 @@ if [ -n "${LADDER:-}" ]; then
     tar czf "$out/ab.tgz" -C "$new/build" kab
   done
 fi
-python3 - "$ab" <<'PY' | tee "$out/summary.txt"
+python3 - "$ab" "${labels[@]}" <<'PY' | tee "$out/summary.txt"
 import csv, glob, os, statistics, sys
-ab = sys.argv[1]
+ab, labels = sys.argv[1], sys.argv[2:]
 med = {}
-for who in ("old", "new"):
+for who in labels:
     for f in glob.glob(os.path.join(ab, who, "*.csv")):
         cfg = os.path.basename(f).rsplit("-r", 1)[0]
         for r in csv.DictReader(open(f)):
             if r["impl"] == "arfuse" and r["median_us"]:
                 med.setdefault((cfg, int(r["tokens"]), who), []).append(float(r["median_us"]))
+print(f"{'config':22s} {'T':>5s} " + " ".join(f"{w:>9s}" for w in labels) + "  (x/" + labels[0] + ")")
 for cfg in sorted({k[0] for k in med}):
     for T in sorted({k[1] for k in med if k[0] == cfg}):
-        o, n = med.get((cfg, T, "old")), med.get((cfg, T, "new"))
-        if o and n:
-            mo, mn = statistics.median(o), statistics.median(n)
-            print(f"{cfg:22s} T={T:5d} old {mo:9.2f} new {mn:9.2f} new/old {mn / mo:.3f}")
+        m = [statistics.median(med[(cfg, T, w)]) if (cfg, T, w) in med else None for w in labels]
+        if m[0] is None:
+            continue
+        cells = " ".join(f"{x:9.2f}" if x else f"{'-':>9s}" for x in m)
+        ratios = " ".join(f"{x / m[0]:.3f}" if x else "-" for x in m[1:])
+        print(f"{cfg:22s} {T:5d} {cells}  {ratios}")
 PY
 echo "kernel_ab: $(( $(date +%s) - start )) s"
