@@ -117,7 +117,7 @@ class QuantFold:
 # any rounding (FP8-e4m3 saturate(y * (1 / scale)), round to nearest even). Both multiply by
 # the reciprocal and saturate alike; the one difference is vLLM's rounding of n to the
 # activation dtype (vllm_ir.rms_norm rounds the normalized value, and with a bf16/fp16 weight
-# its product too: relative 2^-9 each for bf16, 2^-11 for fp16), far below an e4m3 step
+# its product too: relative <= 2^-8 each for bf16, 2^-11 for fp16), far below an e4m3 step
 # (relative 2^-4 to 2^-3, 2^-9 absolute for subnormals). So a code differs from vLLM's by at
 # most one e4m3 step (one unit in the last place), and only where n lies next to a rounding
 # boundary of e4m3: about 2.5% of the codes in tests/vllm/test_fusion_fp8.py (bf16), which
@@ -268,11 +268,11 @@ class Group128Quant(QuantFold):
     q = saturate(y / scale), true division: the same formula, eps and rounding, and the same
     layouts. The difference is the input, as for the static fold: arfuse quantizes the float32
     norm y, vLLM the norm output rounded to the activation dtype (rms_norm rounds the normalized
-    value and, with a weight of the activation dtype, its product: relative 2^-9 each for bf16).
-    amax is taken over the rounded values too, so a scale differs from vLLM's by that rounding
-    (relative <= 2^-8 for bf16: vLLM's scale is amax of the rounded norm / 448), and a code by at
-    most one e4m3 step; with scales and codes each within that bound their products (the values
-    the GEMM sees) are too. tests/vllm/test_fusion_fp8_group.py holds both bounds for every
+    value and, with a weight of the activation dtype, its product: relative <= 2^-8 each for
+    bf16, 2^-11 for fp16). vLLM's amax is taken over the rounded values, so a scale differs from
+    vLLM's by those roundings (relative <= 2^-7 + 2^-16 for bf16; 0.7% seen), and a code, whose
+    value x / scale moves by at most about 2^-6 relative while e4m3 steps are 2^-4 to 2^-3
+    apart (2^-9 absolute for subnormals), by at most one e4m3 step. tests/vllm/test_fusion_fp8_group.py holds both bounds for every
     element, and checks that the fused outputs equal vLLM's formula applied to the float32 norm
     bit for bit. (NaN: arfuse propagates a NaN of a group into its scale and codes; vLLM's fmaxf
     skips it.)
