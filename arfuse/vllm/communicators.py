@@ -81,19 +81,21 @@ def plan(vllm_config: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     return key, kwargs
 
 
-def fp8_supported(dtype: Any, hidden: int, world_size: int, algorithm: str = "auto") -> bool:
-    """Whether arfuse has a kernel with FP8 output (fp8_static) for (dtype, hidden, world size)
-    and every algorithm that `algorithm` may dispatch to (auto: one-shot and two-shot)."""
+def fp8_supported(dtype: Any, hidden: int, world_size: int, algorithm: str = "auto",
+                  output: str = "fp8_static") -> bool:
+    """Whether arfuse has a kernel with FP8 output `output` (fp8_static, fp8_group128) for
+    (dtype, hidden, world size) and every algorithm that `algorithm` may dispatch to (auto:
+    one-shot and two-shot)."""
     import arfuse
 
     algorithms = ("oneshot", "twoshot") if algorithm == "auto" else (algorithm,)
     try:
         return all(
-            arfuse.instance_for(dtype, hidden, world_size, a, output="fp8_static")
+            arfuse.instance_for(dtype, hidden, world_size, a, output=output)
             for a in algorithms
         )
     except Exception as e:  # no library, or one that does not know the output kind
-        logger.debug("arfuse: fp8_static lookup failed: %s", e)
+        logger.debug("arfuse: %s lookup failed: %s", output, e)
         return False
 
 

@@ -53,6 +53,8 @@ class Item:
       op        a custom op `ns::op` (name) registered in `module`; params: its argument names
       op_ref    `name` (an attribute chain like torch.ops._C.x) is referenced in `module`'s source
                 (ops vLLM registers in C++: their schema is not in Python)
+      op_schema `name`, a C++ op's schema string exactly as vLLM registers it, occurs in one of
+                vLLM's kernel libraries (vllm/_C*.so; read as bytes, never loaded)
       code      every fragment of `fragments` occurs in the source of the function `name`
                 (normalised by ast.unparse)
     strict: a changed signature counts as missing (the pass's patterns depend on the argument
@@ -84,6 +86,7 @@ _FM = "vllm.model_executor.layers.fused_moe"
 _MK = _FM + ".modular_kernel"
 _TM = _FM + ".experts.triton_moe"
 _WS = "vllm.v1.worker.workspace"
+_FP8U = "vllm.model_executor.layers.quantization.utils.fp8_utils"
 _MOE_PARAMS = (
     "hidden_states", "router_logits", "shared_experts_input", "input_ids", "layer_name",
     "hidden_dim_unpadded",
@@ -159,6 +162,31 @@ ITEMS: tuple[Item, ...] = (
          strict=True),
     Item("op.static_scaled_fp8_quant", "pass", "op_ref", "vllm._custom_ops",
          "torch.ops._C.static_scaled_fp8_quant", why="the static FP8 quant folded into the call"),
+    # The per-token-group-128 quant of FP8-block linear layers (fp8_fold.Group128Quant): the op,
+    # its argument names (the graph's kwargs), how vLLM calls it and builds its scale buffer.
+    Item("op.per_token_group_fp8_quant", "pass", "op_ref", _FP8U,
+         "torch.ops._C.per_token_group_fp8_quant",
+         why="the per-token-group FP8 quant folded into the call"),
+    Item("op.per_token_group_fp8_quant.schema", "pass", "op_schema", "vllm",
+         "per_token_group_fp8_quant(Tensor input, Tensor! output_q, Tensor! output_s, "
+         "int group_size, float eps, float fp8_min, float fp8_max, bool scale_ue8m0, "
+         "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned ) -> ()",
+         why="the argument names the fold reads; the kernel's formula is arfuse's fp8_group128"),
+    Item("pass.group_quant_call", "pass", "code", _FP8U, "per_token_group_quant_fp8",
+         fragments=("eps: float=1e-10",
+                    "x_s = torch.empty(shape, device=x.device, dtype=torch.float32)"
+                    ".permute(-1, -2)",
+                    "torch.ops._C.per_token_group_fp8_quant(x, x_q, x_s, group_size, eps, "
+                    "fp8_min, fp8_max, use_ue8m0, column_major_scales, tma_aligned_scales)"),
+         why="eps 1e-10; column-major scales as a transposed new buffer; the kernel's arguments"),
+    Item("pass.quant_fp8_group_cuda", "pass", "code",
+         "vllm.model_executor.layers.quantization.input_quant_fp8", "QuantFP8.forward_cuda",
+         fragments=("fp8_utils.per_token_group_quant_fp8(x, group_size=self.group_size, "
+                    "column_major_scales=self.column_major_scales",),
+         why="a dynamic group QuantFP8 with the custom op on calls per_token_group_quant_fp8"),
+    Item("info.block_models_quant_fp8", "info", "code", "vllm.config", "VllmConfig.__post_init__",
+         fragments=("custom_ops.append('+quant_fp8')",),
+         why="vLLM turns the quant_fp8 custom op on for models with block weights"),
     Item("pass.moe_tail", "pass", "method", _MOE, "MoERunner.forward",
          why="routed scale + shared add + all-reduce: the MoE tail the patterns match"),
     Item("pass.quant_fp8_native", "pass", "method",
@@ -440,7 +468,7 @@ def check_item(item: Item) -> Result:
     else (cuda modules, `self.X` attributes, code fragments, op_ref) from the installed sources."""
     from . import contract_ast
 
-    by_source = item.cuda or item.kind in ("code", "op_ref")
+    by_source = item.cuda or item.kind in ("code", "op_ref", "op_schema")
     if not by_source:
         try:
             result = _check_imported(item)

@@ -24,6 +24,13 @@ class Source:
     def read(self, path: str) -> str | None:
         raise NotImplementedError
 
+    def binaries(self) -> list[str]:
+        """The paths of vLLM's kernel libraries (vllm/_C*.so)."""
+        raise NotImplementedError
+
+    def read_bytes(self, path: str) -> bytes:
+        raise NotImplementedError
+
 
 class ZipSource(Source):
     def __init__(self, wheel: str) -> None:
@@ -34,6 +41,12 @@ class ZipSource(Source):
         if path not in self.names:
             return None
         return self.zip.read(path).decode("utf-8", errors="replace")
+
+    def binaries(self) -> list[str]:
+        return sorted(n for n in self.names if n.startswith("vllm/_C") and n.endswith(".so"))
+
+    def read_bytes(self, path: str) -> bytes:
+        return self.zip.read(path)
 
 
 class DirSource(Source):
@@ -48,6 +61,18 @@ class DirSource(Source):
                 return f.read()
         except OSError:
             return None
+
+    def binaries(self) -> list[str]:
+        folder = os.path.join(self.root, "vllm")
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return []
+        return sorted(f"vllm/{n}" for n in names if n.startswith("_C") and n.endswith(".so"))
+
+    def read_bytes(self, path: str) -> bytes:
+        with open(os.path.join(self.root, path), "rb") as f:
+            return f.read()
 
 
 @dataclass
@@ -318,6 +343,15 @@ def check(source: Source | Index, item: Any, result_cls: Any = None) -> Any:
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             return R(item, "missing", f"{item.name} not registered in {mod.path}", "source")
         return _compare(R, item, fn)
+    if item.kind == "op_schema":
+        source = index.source
+        needle = item.name.encode()
+        libs = source.binaries()
+        for lib in libs:
+            if needle in source.read_bytes(lib):
+                return R(item, "ok", lib, "source")
+        return R(item, "missing", f"schema not in {', '.join(libs) or 'any vllm/_C*.so'}",
+                 "source")
     if item.kind == "op_ref":
         for node in ast.walk(mod.tree):
             if isinstance(node, ast.Attribute) and ast.unparse(node) == item.name:

@@ -21,8 +21,10 @@ patterns.PATTERNS):
   fused_add_rms_norm by one arfuse.fused call with the scaling and the shared add folded in;
 * any of these followed by vLLM's static per-tensor FP8 quantization of the norm output
   (kFp8StaticTensorSym, the input quantization of an FP8 linear layer with a static activation
-  scale) by one arfuse.fused call with FP8 output (fp8_scale = the quant's scale); see
-  arfuse.vllm.fp8_fold for the forms matched and the rounding difference.
+  scale) by one arfuse.fused call with FP8 output (fp8_scale = the quant's scale), or by vLLM's
+  dynamic per-token-group-128 quantization (kFp8Dynamic128Sym, the input quantization of an
+  FP8-block linear layer) by one arfuse.fused_fp8_dynamic call (group size 128, the scales in
+  vLLM's layout); see arfuse.vllm.fp8_fold for the forms matched and the rounding difference.
 
 vLLM 0.26.0 never hands the unfinalized MoE output (permuted rows + index map + weights) to the
 graph: the finalize runs inside the opaque moe_forward ops, and UnfinalizedMoEOutput does not exist
@@ -58,7 +60,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_world_size
 from . import communicators as _comms
 from . import patterns as _patterns
 from . import settings as _settings
-from .fp8_fold import fold_static_fp8_quant
+from .fp8_fold import fold_fp8_quants
 from .patterns import PatternSpec
 
 # Under "vllm" so that vLLM's logging configuration (format, level) applies.
@@ -77,12 +79,15 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
             one kept for this config (arfuse.vllm.communicators.get_communicator), creating it
             if needed.
         algorithm: "auto", "oneshot" or "twoshot" (None: $ARFUSE_VLLM_ALGORITHM, default auto).
-        fp8: fold vLLM's static per-tensor FP8 quant of the norm output into the fused call
-            (None: $ARFUSE_VLLM_FP8, default on). Only where arfuse has fp8_static kernels for
-            the model's (dtype, hidden, world size) and every algorithm `algorithm` may use.
+        fp8: fold vLLM's FP8 quant of the norm output into the fused call (None:
+            $ARFUSE_VLLM_FP8, default on): the static per-tensor quant where arfuse has
+            fp8_static kernels for the model's (dtype, hidden, world size) and every algorithm
+            `algorithm` may use (`self.fp8`), the per-token-group-128 quant where it has
+            fp8_group128 kernels (`self.fp8_group128`).
 
-    After a call, `matched_count` is the number of chains replaced by an arfuse.fused call and
-    `fp8_count` how many of those also took the FP8 quant in.
+    After a call, `matched_count` is the number of chains replaced by an arfuse call,
+    `fp8_count` how many of those also took an FP8 quant in, `fp8_counts` how many per kind
+    ("fp8_static", "fp8_group128").
     """
 
     def __init__(
@@ -102,7 +107,9 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
         env = _settings.from_env()
         self.algorithm = algorithm or env.algorithm
         self.fp8 = False
+        self.fp8_group128 = False
         self.fp8_count = 0
+        self.fp8_counts: dict[str, int] = {}
         if self.algorithm not in _settings.ALGORITHMS:
             raise ValueError(
                 f"algorithm={self.algorithm!r}: want one of {sorted(_settings.ALGORITHMS)}"
@@ -140,17 +147,28 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
                     "algorithm=%s; static FP8 quantization stays a separate op",
                     self.model_dtype, self.hidden, self.world_size, self.algorithm,
                 )
+            self.fp8_group128 = _comms.fp8_supported(
+                self.model_dtype, self.hidden, self.world_size, self.algorithm, "fp8_group128"
+            )
+            if not self.fp8_group128:
+                logger.debug(
+                    "arfuse: no fp8_group128 kernel for dtype=%s hidden=%d world_size=%d "
+                    "algorithm=%s; per-token-group FP8 quantization stays a separate op",
+                    self.model_dtype, self.hidden, self.world_size, self.algorithm,
+                )
         self._register_patterns()
         self.dump_patterns(config, self.patterns)  # only with vLLM's debug dump path set
         self.disabled = False
         logger.debug(
-            "arfuse: %d patterns for hidden=%d dtype=%s world_size=%d max_tokens=%d fp8=%s",
+            "arfuse: %d patterns for hidden=%d dtype=%s world_size=%d max_tokens=%d fp8=%s "
+            "fp8_group128=%s",
             len(self.specs),
             self.hidden,
             self.model_dtype,
             self.world_size,
             self.max_tokens,
             self.fp8,
+            self.fp8_group128,
         )
 
     def _disable(self, reason: str) -> None:
@@ -167,18 +185,24 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
     def __call__(self, graph: fx.Graph) -> None:
         if self.disabled:
             self.matched_count = self.fp8_count = 0
+            self.fp8_counts = {}
             return
         self.matched_count = self.patterns.apply(graph)
-        # Second step, on the calls just made: a static FP8 quant of a call's norm output goes
-        # into the call (one rule for every pattern above, instead of an FP8 twin of each).
-        self.fp8_count = fold_static_fp8_quant(graph) if self.fp8 else 0
+        # Second step, on the calls just made: an FP8 quant of a call's norm output goes into
+        # the call (one rule for every pattern above, instead of an FP8 twin of each).
+        kinds = (("fp8_static",) if self.fp8 else ()) + (
+            ("fp8_group128",) if self.fp8_group128 else ())
+        self.fp8_counts = fold_fp8_quants(graph, kinds) if kinds else {}
+        self.fp8_count = sum(self.fp8_counts.values())
         VllmPatternMatcherPass.match_table[self.pass_name] += self.matched_count
-        if self.fp8_count:
-            VllmPatternMatcherPass.match_table[f"{self.pass_name}.static_fp8"] += self.fp8_count
+        for kind, key in (("fp8_static", "static_fp8"), ("fp8_group128", "group128_fp8")):
+            if self.fp8_counts.get(kind):
+                VllmPatternMatcherPass.match_table[f"{self.pass_name}.{key}"] += \
+                    self.fp8_counts[kind]
         logger.debug(
-            "arfuse: replaced %d patterns, %d with the static FP8 quant folded in",
+            "arfuse: replaced %d patterns, with an FP8 quant folded in: %s",
             self.matched_count,
-            self.fp8_count,
+            self.fp8_counts,
         )
 
     def uuid(self) -> str:
@@ -197,6 +221,7 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
             "handle": self.handle,
             "algorithm": self.algorithm,
             "fp8": self.fp8,
+            "fp8_group128": self.fp8_group128,
             "patterns": [dataclasses.astuple(s) for s in self.specs],
         }
         return InductorPass.hash_dict(state)

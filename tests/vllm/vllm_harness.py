@@ -91,12 +91,18 @@ _QUANT_SCHEMAS = {
         "dynamic_per_token_scaled_fp8_quant(Tensor! result, Tensor input, Tensor! scale, "
         "Tensor? scale_ub) -> ()"
     ),
+    # The same in 0.26.0 and 0.34.0 (the space before ")" is vLLM's).
+    "per_token_group_fp8_quant": (
+        "per_token_group_fp8_quant(Tensor input, Tensor! output_q, Tensor! output_s, "
+        "int group_size, float eps, float fp8_min, float fp8_max, bool scale_ue8m0, "
+        "bool dummy_is_scale_transposed, bool dummy_is_tma_aligned ) -> ()"
+    ),
 }
 
 
 def cpu_quant_ops() -> None:
-    """Stand-ins for vLLM's FP8 quant kernels torch.ops._C.static_scaled_fp8_quant and
-    _C.dynamic_per_token_scaled_fp8_quant where the kernel library is not loaded (no GPU driver):
+    """Stand-ins for vLLM's FP8 quant kernels torch.ops._C.static_scaled_fp8_quant,
+    _C.dynamic_per_token_scaled_fp8_quant and _C.per_token_group_fp8_quant where the kernel library is not loaded (no GPU driver):
     the same schemas, CPU implementations of vLLM's semantics (x * (1 / scale), clamped to
     +-448; per-token scale max(amax, ...) / 448 with vLLM's lower bound 1 / (448 * 512)). They let
     vLLM's own code path for the custom quant op (QuantFP8.forward_cuda ->
@@ -121,7 +127,23 @@ def cpu_quant_ops() -> None:
         scale.copy_(s.view(scale.shape))
         result.copy_((input.float() * s.reciprocal()).clamp(-fp8_max, fp8_max).to(result.dtype))
 
-    impls = {"static_scaled_fp8_quant": static, "dynamic_per_token_scaled_fp8_quant": per_token}
+    def per_group(input, output_q, output_s, group_size, eps, fp8_min, fp8_max, scale_ue8m0,
+                  dummy_is_scale_transposed, dummy_is_tma_aligned):
+        # vLLM's CUDA kernel (per_token_group_quant.cu) for finite inputs: amax over the group
+        # starting from eps, y_s = amax / fp8_max in float32 (UE8M0: rounded up to a power of
+        # two), q = clamp(x / y_s) (true division); the scale's layout is output_s's strides
+        # (the kernel reads them; the two dummy flags are unused).
+        x = input.float().reshape(-1, input.shape[-1] // group_size, group_size)
+        amax = x.abs().amax(dim=-1).clamp(min=eps)
+        s = amax / torch.tensor(fp8_max, dtype=torch.float32)
+        if scale_ue8m0:
+            s = torch.exp2(torch.ceil(torch.log2(s)))
+        q = (x / s.unsqueeze(-1)).clamp(fp8_min, fp8_max)
+        output_s.copy_(s.reshape(output_s.shape))
+        output_q.copy_(q.reshape(output_q.shape).to(output_q.dtype))
+
+    impls = {"static_scaled_fp8_quant": static, "dynamic_per_token_scaled_fp8_quant": per_token,
+             "per_token_group_fp8_quant": per_group}
     for name in missing:
         lib.define(_QUANT_SCHEMAS[name])
         lib.impl(name, impls[name], "CompositeExplicitAutograd")
