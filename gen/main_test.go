@@ -304,8 +304,8 @@ func TestByteIdentical(t *testing.T) {
 		}
 	}
 	ta, tb := readTree(t, a), readTree(t, b)
-	if len(ta) != 26+5 {
-		t.Errorf("%d files, want 31", len(ta))
+	if len(ta) != 26+6 {
+		t.Errorf("%d files, want 32", len(ta))
 	}
 	for p, data := range ta {
 		if tb[p] != data {
