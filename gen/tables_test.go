@@ -190,6 +190,16 @@ func TestKernelLimitsMatchCUDA(t *testing.T) {
 	}
 }
 
+// pyOutput is one output kind row of arfuse/_vocab.py.
+type pyOutput struct {
+	Name    string `json:"name"`
+	Torch   string `json:"torch"`
+	Scales  string `json:"scales"`
+	Group   int    `json:"group"`
+	Bounded bool   `json:"bounded"`
+	Layouts bool   `json:"layouts"`
+}
+
 // pyVocab is the JSON block of arfuse/_vocab.py.
 type pyVocab struct {
 	DTypes []struct {
@@ -197,12 +207,9 @@ type pyVocab struct {
 		Torch string `json:"torch"`
 		Bytes int    `json:"bytes"`
 	} `json:"dtypes"`
-	Algorithms []string `json:"algorithms"`
-	Outputs    []struct {
-		Name  string `json:"name"`
-		Group int    `json:"group"`
-	} `json:"outputs"`
-	Limits map[string]int `json:"limits"`
+	Algorithms []string       `json:"algorithms"`
+	Outputs    []pyOutput     `json:"outputs"`
+	Limits     map[string]int `json:"limits"`
 }
 
 // arfuse/_vocab.py holds the tables as JSON; it must be exactly what the Go tables say.
@@ -228,10 +235,7 @@ func TestPythonVocabulary(t *testing.T) {
 	}
 	want.Algorithms = namesOf(allAlgos())
 	for _, o := range outKinds {
-		want.Outputs = append(want.Outputs, struct {
-			Name  string `json:"name"`
-			Group int    `json:"group"`
-		}{o.Name, o.Group})
+		want.Outputs = append(want.Outputs, pyOutput{o.Name, o.Torch, o.Scales.Name, o.Group, o.Bounded, o.Layouts})
 	}
 	want.Limits = map[string]int{
 		"vector_bytes": vectorBytes, "max_hidden": maxHidden, "generic_max_threads": genericMaxThreads,
