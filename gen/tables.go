@@ -8,8 +8,9 @@ import "slices"
 // repository: the dtypes (with their torch names), the algorithms, the output kinds and the kernel
 // limits. Their copies elsewhere are checked against them by go test ./gen (tables_test.go):
 // csrc/arfuse/params.h (enums, kMaxWorld, kMaxTopK, kQuantGroup), the limits written as literals
-// in csrc/arfuse/kernel.cuh and the vector widths in csrc/dispatch.cpp and csrc/kernels.cu, and
-// arfuse/_vocab.py, the one Python module that spells them.
+// in csrc/arfuse/kernel.cuh and the vector widths in csrc/dispatch.cpp and csrc/kernels.cu, the
+// output kinds' device writers (csrc/arfuse/writers.cuh) and host scale rules
+// (csrc/host/out_kinds.h), and arfuse/_vocab.py, the one Python module that spells them.
 
 // apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
 // Every generated C++ file static_asserts on it so that stale output stops compiling.
