@@ -334,6 +334,16 @@ func TestAPIVersionMatchesParamsH(t *testing.T) {
 	if v, _ := strconv.Atoi(string(m[1])); v != apiVersion {
 		t.Errorf("csrc/arfuse/params.h has ARFUSE_DEVICE_API_VERSION %d, the generator %d", v, apiVersion)
 	}
+	// The Python package refuses a library whose manifest names another version.
+	py, err := os.ReadFile("../arfuse/_lib.py")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := regexp.MustCompile(`(?m)^API_VERSION = (\d+)$`).FindSubmatch(py); m == nil {
+		t.Error("arfuse/_lib.py has no API_VERSION = N")
+	} else if v, _ := strconv.Atoi(string(m[1])); v != apiVersion {
+		t.Errorf("arfuse/_lib.py has API_VERSION %d, the generator %d", v, apiVersion)
+	}
 }
 
 // The exit statuses the README documents hold for the way it tells people to run the generator:
