@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import _vocab, reference
 
 _lib = None
 
@@ -37,9 +37,12 @@ def _compute(T, expert_out, permuted_idx, expert_weights, shared_out, residual, 
              weight_bias, routed_scaling, fp8_scale):
     norm, residual_out = _norm_and_residual(T, expert_out, permuted_idx, expert_weights, shared_out,
                                             residual, gamma, eps, weight_bias, routed_scaling)
-    if fp8_scale is not None:
-        return reference.quantize_fp8_static(norm, fp8_scale), residual_out
-    return norm.to(expert_out.dtype), residual_out
+    # fused: the kind with an input scale when fp8_scale is given, else norm (as the C++ op picks).
+    kind = _vocab.STATIC_KIND if fp8_scale is not None else "norm"
+    out, _ = reference.quantize(kind, norm, fp8_scale=fp8_scale)
+    if _vocab.OUTPUT_DTYPES[kind] is None:
+        out = out.to(expert_out.dtype)
+    return out, residual_out
 
 
 def fused_cpu(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
@@ -63,9 +66,8 @@ def fused_fp8_dynamic_cpu(expert_out, permuted_idx, expert_weights, shared_out, 
     # norm is the float32 y of the kernel. The scale rules are evaluated in float64 and rounded
     # once to float32 (amax / 448 so rounded is the kernel's float32 division); the codes are
     # y / scale with that float32 scale, as the kernel divides.
-    _, scales = reference.quantize_fp8_dynamic(norm, group_size, scale_ub, ue8m0)
-    scales = scales.to(torch.float32)
-    q = reference.quantize_fp8_scaled(norm, scales)
+    q, scales = reference.quantize(_vocab.dynamic_kind(group_size), norm, scale_ub=scale_ub,
+                                   ue8m0_scales=ue8m0, scale_dtype=torch.float32)
     if col_major_scales:  # [T, G] with strides (1, T), as the CUDA op returns it
         scales = torch.empty((scales.shape[1], scales.shape[0]), dtype=torch.float32).t().copy_(scales)
     return q, residual_out, scales

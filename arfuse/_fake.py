@@ -44,7 +44,8 @@ def _check_input(expert_out, permuted_idx, residual, comm):
 def fused_fake(expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, eps,
                weight_bias, routed_scaling, fp8_scale, comm, algorithm):
     dtype, T, H = _check_input(expert_out, permuted_idx, residual, comm)
-    out_dtype = torch.float8_e4m3fn if fp8_scale is not None else dtype
+    # fused: the kind with an input scale when fp8_scale is given, else norm (activation dtype).
+    out_dtype = _vocab.OUTPUT_DTYPES[_vocab.STATIC_KIND] if fp8_scale is not None else dtype
     return (expert_out.new_empty((T, H), dtype=out_dtype), expert_out.new_empty((T, H), dtype=dtype))
 
 
@@ -52,16 +53,21 @@ def fused_fp8_dynamic_fake(expert_out, permuted_idx, expert_weights, shared_out,
                            eps, weight_bias, routed_scaling, group_size, scale_ub,
                            col_major_scales, ue8m0, comm, algorithm):
     dtype, T, H = _check_input(expert_out, permuted_idx, residual, comm)
-    torch._check(group_size in (0, 128),
-                 lambda: f"arfuse: group_size: {group_size} is not supported (want 0 or 128)")
-    q = expert_out.new_empty((T, H), dtype=torch.float8_e4m3fn)
+    kind = _vocab.dynamic_kind(group_size)
+    torch._check(kind is not None,
+                 lambda: f"arfuse: group_size: {group_size} is not supported (want "
+                         f"{' or '.join(str(_vocab.OUTPUT_ROWS[k]['group']) for k in _vocab.DYNAMIC_KINDS)})")
+    row = _vocab.OUTPUT_ROWS[kind]
+    q = expert_out.new_empty((T, H), dtype=_vocab.OUTPUT_DTYPES[kind] or dtype)
     residual_out = expert_out.new_empty((T, H), dtype=dtype)
-    if group_size == 0:
+    # The scales by the kind's rule: one per token, or one per group of row["group"] elements.
+    if row["scales"] == "token":
         scales = expert_out.new_empty((T,), dtype=torch.float32)
     else:
-        torch._check(H % 128 == 0,
-                     lambda: f"arfuse: hidden: {H} is not a multiple of group_size=128")
-        G = H // 128
+        g = row["group"]
+        torch._check(H % g == 0,
+                     lambda: f"arfuse: hidden: {H} is not a multiple of group_size={g}")
+        G = H // g
         if col_major_scales:
             scales = expert_out.new_empty((G, T), dtype=torch.float32).t()  # strides (1, T)
         else:

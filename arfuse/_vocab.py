@@ -27,10 +27,10 @@ _TABLES = json.loads("""
   ],
   "algorithms": ["auto", "oneshot", "twoshot"],
   "outputs": [
-    {"name": "norm", "group": 0},
-    {"name": "fp8_static", "group": 0},
-    {"name": "fp8_token", "group": 0},
-    {"name": "fp8_group128", "group": 128}
+    {"name": "norm", "torch": "", "scales": "none", "group": 0, "bounded": false, "layouts": false},
+    {"name": "fp8_static", "torch": "float8_e4m3fn", "scales": "input", "group": 0, "bounded": false, "layouts": false},
+    {"name": "fp8_token", "torch": "float8_e4m3fn", "scales": "token", "group": 0, "bounded": true, "layouts": false},
+    {"name": "fp8_group128", "torch": "float8_e4m3fn", "scales": "group", "group": 128, "bounded": false, "layouts": true}
   ],
   "limits": {
     "vector_bytes": 16,
@@ -55,12 +55,39 @@ DTYPE_NAME_OF: dict[torch.dtype, str] = {t: n for n, t in DTYPES.items()}
 ALGORITHMS: dict[str, int] = {name: i for i, name in enumerate(_TABLES["algorithms"])}
 KERNEL_ALGORITHMS: tuple[str, ...] = tuple(a for a in _TABLES["algorithms"] if a != "auto")
 
-# Output kinds: name -> arfuse::OutKind value. "norm" writes the activation dtype; the others
-# (QUANT_KINDS, moe_finalize_allreduce_rmsnorm's quant=) write FP8-e4m3.
+# Output kinds, one row of traits each (gen/tables.go OutKind): name -> arfuse::OutKind value, and
+# OUTPUT_ROWS name -> its row:
+#   torch    the dtype of norm_out ("" = the activation dtype), OUTPUT_DTYPES below;
+#   scales   "none" (norm), "input" (a float32 one-element fp8_scale, torch.ops.arfuse.fused),
+#            "token" ([T]) or "group" ([T, H / group]): written by the kernel and returned
+#            (torch.ops.arfuse.fused_fp8_dynamic, which takes the kind's group as group_size);
+#   group    elements per scale of "group" scales, else 0;
+#   bounded  takes scale_ub (an upper bound of amax); layouts: takes scale_layout / scale_ue8m0.
+# "norm" writes the activation dtype; the others (QUANT_KINDS, moe_finalize_allreduce_rmsnorm's
+# quant=) are quantized. arfuse/reference.py holds one reference quantizer per row (QUANTIZERS).
 OUTPUTS: dict[str, int] = {o["name"]: i for i, o in enumerate(_TABLES["outputs"])}
-QUANT_KINDS: tuple[str, ...] = tuple(o["name"] for o in _TABLES["outputs"] if o["name"] != "norm")
+OUTPUT_ROWS: dict[str, dict] = {o["name"]: o for o in _TABLES["outputs"]}
+OUTPUT_DTYPES: dict[str, torch.dtype | None] = {
+    o["name"]: getattr(torch, o["torch"]) if o["torch"] else None for o in _TABLES["outputs"]}
+QUANT_KINDS: tuple[str, ...] = tuple(o["name"] for o in _TABLES["outputs"] if o["scales"] != "none")
+# The kinds whose scales the kernel writes (fused_fp8_dynamic), and the one that takes an input
+# scale (fused's fp8_scale).
+DYNAMIC_KINDS: tuple[str, ...] = tuple(o["name"] for o in _TABLES["outputs"]
+                                       if o["scales"] in ("token", "group"))
+STATIC_KIND: str = next(o["name"] for o in _TABLES["outputs"] if o["scales"] == "input")
 # Elements per quantization group of the output kinds that have groups (fp8_group128: 128).
 QUANT_GROUP_SIZES: dict[str, int] = {o["name"]: o["group"] for o in _TABLES["outputs"] if o["group"]}
+
+
+def dynamic_kind(group_size: int) -> str | None:
+    """The kind fused_fp8_dynamic serves for group_size (its row's group), or None."""
+    return next((n for n in DYNAMIC_KINDS if OUTPUT_ROWS[n]["group"] == group_size), None)
+
+
+def kinds_with(trait: str) -> tuple[str, ...]:
+    """The output kinds whose row has `trait` ("bounded", "layouts") set."""
+    return tuple(o["name"] for o in _TABLES["outputs"] if o[trait])
+
 
 # Kernel limits (csrc/arfuse/params.h, kernel.cuh; the generator's plan).
 LIMITS: dict[str, int] = dict(_TABLES["limits"])

@@ -39,28 +39,41 @@ _SCALE_LAYOUTS = ("row", "col")
 _OUTPUTS = _vocab.OUTPUTS
 
 
+def _only_for(kinds) -> str:
+    return " or ".join(f"quant={k!r}" for k in kinds)
+
+
+def _scales_adjective(kinds) -> str:
+    """What the scales of the first of these kinds are called: "per-token" or "per-group"."""
+    return {"token": "per-token", "group": "per-group"}.get(
+        _vocab.OUTPUT_ROWS[kinds[0]]["scales"] if kinds else "", "no")
+
+
 def _quant_kind(quant, fp8_scale, scale_ub, scale_layout, scale_ue8m0):
-    """The output kind asked for (None: norm), with every argument checked against it."""
+    """The output kind asked for (None: norm), with every argument checked against its row
+    (_vocab.OUTPUT_ROWS): no branch per kind."""
+    static = _vocab.STATIC_KIND
     if quant is None and fp8_scale is not None:
-        quant = "fp8_static"  # fp8_scale alone means static per-tensor FP8, as before
+        quant = static  # fp8_scale alone means static per-tensor FP8, as before
     if quant is not None and quant not in _QUANTS:
         raise ValueError(f"arfuse: quant: {quant!r} is not one of {list(_QUANTS)} (or None)")
-    if quant == "fp8_static" and fp8_scale is None:
-        raise ValueError("arfuse: fp8_scale: quant='fp8_static' needs a float32 one-element scale")
-    if quant in ("fp8_token", "fp8_group128") and fp8_scale is not None:
-        raise ValueError(f"arfuse: fp8_scale: only for quant='fp8_static'; quant={quant!r} "
+    if quant == static and fp8_scale is None:
+        raise ValueError(f"arfuse: fp8_scale: quant={static!r} needs a float32 one-element scale")
+    if quant in _vocab.DYNAMIC_KINDS and fp8_scale is not None:
+        raise ValueError(f"arfuse: fp8_scale: only for quant={static!r}; quant={quant!r} "
                          "computes its scales in the kernel")
-    if scale_ub is not None and quant != "fp8_token":
-        raise ValueError(f"arfuse: scale_ub: an upper bound of per-token scales, only for "
-                         f"quant='fp8_token' (got quant={quant!r})")
+    bounded, layouts = _vocab.kinds_with("bounded"), _vocab.kinds_with("layouts")
+    if scale_ub is not None and quant not in bounded:
+        raise ValueError(f"arfuse: scale_ub: an upper bound of {_scales_adjective(bounded)} scales, "
+                         f"only for {_only_for(bounded)} (got quant={quant!r})")
     if scale_layout not in _SCALE_LAYOUTS:
         raise ValueError(f"arfuse: scale_layout: {scale_layout!r} is not one of {list(_SCALE_LAYOUTS)}")
-    if scale_layout != "row" and quant != "fp8_group128":
-        raise ValueError(f"arfuse: scale_layout: {scale_layout!r} is only for quant='fp8_group128' "
+    if scale_layout != "row" and quant not in layouts:
+        raise ValueError(f"arfuse: scale_layout: {scale_layout!r} is only for {_only_for(layouts)} "
                          f"(got quant={quant!r})")
-    if scale_ue8m0 and quant != "fp8_group128":
+    if scale_ue8m0 and quant not in layouts:
         raise ValueError(f"arfuse: scale_ue8m0: power-of-two scales are only for "
-                         f"quant='fp8_group128' (got quant={quant!r})")
+                         f"{_only_for(layouts)} (got quant={quant!r})")
     return quant
 
 
@@ -123,10 +136,10 @@ def moe_finalize_allreduce_rmsnorm(comm, expert_out, residual, gamma, eps, *, pe
             _lib.reraise(e)
         return expert_out, residual
     try:
-        if kind in ("fp8_token", "fp8_group128"):
+        if kind in _vocab.DYNAMIC_KINDS:  # the kernel writes the scales; the row's group picks it
             return torch.ops.arfuse.fused_fp8_dynamic(
                 expert_out, permuted_idx, expert_weights, shared_out, residual, gamma, float(eps),
-                float(weight_bias), float(routed_scaling), _vocab.QUANT_GROUP_SIZES.get(kind, 0),
+                float(weight_bias), float(routed_scaling), _vocab.OUTPUT_ROWS[kind]["group"],
                 scale_ub, scale_layout == "col", bool(scale_ue8m0), handle, algo)
         return torch.ops.arfuse.fused(expert_out, permuted_idx, expert_weights, shared_out,
                                       residual, gamma, float(eps), float(weight_bias),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._vocab import QUANT_GROUP
+from ._vocab import DYNAMIC_KINDS, OUTPUT_ROWS, QUANT_GROUP, dynamic_kind
 
 
 def finalize(expert_out, *, num_tokens, permuted_idx=None, expert_weights=None, shared_out=None,
@@ -153,17 +153,55 @@ def quantize_fp8_scaled(y, scales):
     return saturate_e4m3(q.reshape(T, H))
 
 
+# ---- the reference quantizer of each output kind (one per arfuse/_vocab.py OUTPUT_ROWS row) ------
+# quantize(kind, y, ...) -> (norm_out, scales): y is the float32 RMSNorm output. norm returns y
+# itself (the caller rounds it to the activation dtype); the FP8 kinds return their codes, and the
+# dynamic ones the scales they computed (float64, or rounded to scale_dtype first and used so
+# rounded, as the kernel's float32 scales are), else None.
+
+def _norm(y, **_):
+    return y, None
+
+
+def _fp8_static(y, *, fp8_scale, **_):
+    return quantize_fp8_static(y, fp8_scale), None
+
+
+def _fp8_token(y, *, scale_ub=None, scale_dtype=torch.float64, **_):
+    s = fp8_token_scales(y, scale_ub).to(scale_dtype)
+    return quantize_fp8_scaled(y, s), s
+
+
+def _fp8_group128(y, *, ue8m0_scales=False, scale_dtype=torch.float64, **_):
+    s = fp8_group_scales(y, OUTPUT_ROWS["fp8_group128"]["group"], ue8m0_scales).to(scale_dtype)
+    return quantize_fp8_scaled(y, s), s
+
+
+QUANTIZERS = {"norm": _norm, "fp8_static": _fp8_static, "fp8_token": _fp8_token,
+              "fp8_group128": _fp8_group128}
+
+
+def quantize(kind, y, *, fp8_scale=None, scale_ub=None, ue8m0_scales=False,
+             scale_dtype=torch.float64):
+    """The reference output of output kind `kind` for y: (norm_out, scales or None), by the
+    kind's row (QUANTIZERS). fp8_scale: the input scale of the static kind; scale_ub and
+    ue8m0_scales: the dynamic kinds' options their rows take."""
+    if kind not in QUANTIZERS:
+        raise ValueError(f"output kind {kind!r}: want one of {list(QUANTIZERS)}")
+    return QUANTIZERS[kind](y, fp8_scale=fp8_scale, scale_ub=scale_ub, ue8m0_scales=ue8m0_scales,
+                            scale_dtype=scale_dtype)
+
+
 def quantize_fp8_dynamic(y, group_size=0, scale_ub=None, ue8m0_scales=False):
     """The dynamic FP8 outputs of y: (codes float8_e4m3fn [T, H], scales float64 [T] for
     group_size 0 (per token, optional scale_ub) or [T, H / 128] for group_size 128 (row-major;
-    ue8m0_scales: powers of two))."""
-    if group_size == 0:
-        s = fp8_token_scales(y, scale_ub)
-    elif group_size == FP8_GROUP:
-        s = fp8_group_scales(y, group_size, ue8m0_scales)
-    else:
-        raise ValueError(f"group_size {group_size}: want 0 or {FP8_GROUP}")
-    return quantize_fp8_scaled(y, s), s
+    ue8m0_scales: powers of two)): the quantizer of the kind fused_fp8_dynamic serves for
+    group_size."""
+    kind = dynamic_kind(group_size)
+    if kind is None:
+        raise ValueError(f"group_size {group_size}: want one of "
+                         f"{[OUTPUT_ROWS[k]['group'] for k in DYNAMIC_KINDS]}")
+    return quantize(kind, y, scale_ub=scale_ub, ue8m0_scales=ue8m0_scales)
 
 
 def allreduce_add_rmsnorm(partials, residual, gamma, eps, weight_bias, dtype, acc=torch.float32):

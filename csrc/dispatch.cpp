@@ -3,6 +3,7 @@
 #include <string>
 
 #include "arfuse/dispatch.h"
+#include "host/out_kinds.h"  // the output kinds' names (generated, out/out_kinds.cpp)
 
 namespace arfuse {
 
@@ -33,17 +34,8 @@ const char* algo_name(Algo algo) {
 }
 
 const char* out_name(OutKind out) {
-  switch (out) {
-    case OutKind::kNorm:
-      return "norm";
-    case OutKind::kFP8Static:
-      return "fp8_static";
-    case OutKind::kFP8Token:
-      return "fp8_token";
-    case OutKind::kFP8Group128:
-      return "fp8_group128";
-  }
-  return "?";
+  const host::OutKindTraits* t = host::find_out_kind(static_cast<int64_t>(out));
+  return t != nullptr ? t->name : "?";
 }
 
 const Instance* find_instance(DType dtype, int hidden, int world_size, Algo algo, OutKind out,

@@ -304,8 +304,8 @@ func TestByteIdentical(t *testing.T) {
 		}
 	}
 	ta, tb := readTree(t, a), readTree(t, b)
-	if len(ta) != 26+5 {
-		t.Errorf("%d files, want 31", len(ta))
+	if len(ta) != 26+6 {
+		t.Errorf("%d files, want 32", len(ta))
 	}
 	for p, data := range ta {
 		if tb[p] != data {
@@ -333,6 +333,16 @@ func TestAPIVersionMatchesParamsH(t *testing.T) {
 	}
 	if v, _ := strconv.Atoi(string(m[1])); v != apiVersion {
 		t.Errorf("csrc/arfuse/params.h has ARFUSE_DEVICE_API_VERSION %d, the generator %d", v, apiVersion)
+	}
+	// The Python package refuses a library whose manifest names another version.
+	py, err := os.ReadFile("../arfuse/_lib.py")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := regexp.MustCompile(`(?m)^API_VERSION = (\d+)$`).FindSubmatch(py); m == nil {
+		t.Error("arfuse/_lib.py has no API_VERSION = N")
+	} else if v, _ := strconv.Atoi(string(m[1])); v != apiVersion {
+		t.Errorf("arfuse/_lib.py has API_VERSION %d, the generator %d", v, apiVersion)
 	}
 }
 

@@ -149,7 +149,7 @@ func groupSizeRule(hidden int, o *OutKind) string {
 
 // groupPlanRule returns why the specialised plan p cannot serve output kind o, or "" if it can.
 // The kernel reduces a group's amax over Group/Vec aligned consecutive lanes of one warp
-// (csrc/arfuse/kernel.cuh, write_norm), so each CTA's slice of the row, and the threads per
+// (csrc/arfuse/writers.cuh, the group writer), so each CTA's slice of the row, and the threads per
 // token, must be whole groups of vectors.
 func groupPlanRule(dt *DType, algo *Algo, o *OutKind, p Plan) string {
 	if o.Group == 0 {

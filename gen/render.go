@@ -84,6 +84,7 @@ type Gen struct {
 	Ops        []Op
 	OpsNS      string
 	Keys       []KeyBlock
+	OutKinds   []*OutKind // in arfuse::OutKind order
 }
 
 // KeyBlock is one STABLE_TORCH_LIBRARY_IMPL block: the ops implemented for one dispatch key.
@@ -115,7 +116,7 @@ func newGen(matrix string, only []string, variants []*Variant, tuning *Tuning) *
 			cmp.Compare(a.Hidden, b.Hidden), cmp.Compare(a.World, b.World))
 	})
 	g := &Gen{APIVersion: apiVersion, Matrix: matrix, Only: only, Variants: variants, Tuning: &t,
-		Ops: ops, OpsNS: opsNamespace}
+		Ops: ops, OpsNS: opsNamespace, OutKinds: outKinds}
 	for _, key := range dispatchKeys {
 		kb := KeyBlock{Key: key}
 		for _, op := range ops {
@@ -153,6 +154,7 @@ func render(g *Gen) (Files, error) {
 		{"dispatch_table.h", "dispatch_table.h.tmpl"},
 		{"dispatch.cu", "dispatch.cu.tmpl"},
 		{"ops_registration.cpp", "ops_registration.cpp.tmpl"},
+		{"out_kinds.cpp", "out_kinds.cpp.tmpl"},
 		{"sources.mk", "sources.mk.tmpl"},
 	} {
 		if err := emit(f.out, f.tmpl, nil); err != nil {

@@ -8,12 +8,13 @@ import "slices"
 // repository: the dtypes (with their torch names), the algorithms, the output kinds and the kernel
 // limits. Their copies elsewhere are checked against them by go test ./gen (tables_test.go):
 // csrc/arfuse/params.h (enums, kMaxWorld, kMaxTopK, kQuantGroup), the limits written as literals
-// in csrc/arfuse/kernel.cuh and the vector widths in csrc/dispatch.cpp and csrc/kernels.cu, and
-// arfuse/_vocab.py, the one Python module that spells them.
+// in csrc/arfuse/kernel.cuh and the vector widths in csrc/dispatch.cpp and csrc/kernels.cu, the
+// output kinds' device writers (csrc/arfuse/writers.cuh) and host scale rules
+// (csrc/host/out_kinds.h), and arfuse/_vocab.py, the one Python module that spells them.
 
 // apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
 // Every generated C++ file static_asserts on it so that stale output stops compiling.
-const apiVersion = 9
+const apiVersion = 10
 
 // ---- kernel limits ----------------------------------------------------------------------------
 
@@ -88,21 +89,59 @@ var algos = []*Algo{
 // allAlgos is the whole arfuse::Algo enum in value order.
 func allAlgos() []*Algo { return append([]*Algo{algoAuto}, algos...) }
 
-// OutKind is what the kernel writes after the RMSNorm.
+// OutKind is what the kernel writes after the RMSNorm: one row of traits, printed for each
+// language that needs them. Adding a kind is this row, its device writer (csrc/arfuse/writers.cuh),
+// its enumerator (csrc/arfuse/params.h), its arfuse/_vocab.py row and its reference quantizer
+// (arfuse/reference.py); the generated host table (out/out_kinds.cpp) and every loop over it
+// follow (gen/README.md lists the files).
 type OutKind struct {
 	Name string
-	Enum string
+	Enum string // arfuse::OutKind enumerator (csrc/arfuse/params.h)
+	// Writer is the device writer struct of csrc/arfuse/writers.cuh the kernel instance is built
+	// with (its kKind is Enum): the one place that writes this kind's norm_out and scales.
+	Writer string
+	// Torch is the torch dtype of norm_out ("" = the activation dtype) and Scalar its
+	// torch::headeronly::ScalarType enumerator.
+	Torch, Scalar string
+	// Scales is how the scale arrives or is written (see scaleRules).
+	Scales *ScaleRule
 	// Group is the elements per quantization group whose scale the kernel reduces over a few
 	// lanes of one warp (0: none). A specialised plan must keep every group within one CTA's
 	// slice of the row and within one warp (see groupPlanRule).
 	Group int
+	// Bounded: the op takes scale_ub, an upper bound of amax. Layouts: it takes
+	// col_major_scales and ue8m0 (the scale layout and power-of-two scales).
+	Bounded, Layouts bool
 }
 
+// ScaleRule is how an output kind's scales arrive or are written; it decides the scales tensor
+// the host allocates and the op that serves the kind (fused takes an input scale, fused_fp8_dynamic
+// writes one per token or per group and picks the kind by group_size).
+type ScaleRule struct {
+	Name string // the arfuse/_vocab.py spelling
+	Enum string // arfuse::host::Scales enumerator (csrc/host/out_kinds.h)
+}
+
+var (
+	scaleNone  = &ScaleRule{Name: "none", Enum: "arfuse::host::Scales::kNone"}
+	scaleInput = &ScaleRule{Name: "input", Enum: "arfuse::host::Scales::kInput"}    // one float32 input (fp8_scale)
+	scaleToken = &ScaleRule{Name: "token", Enum: "arfuse::host::Scales::kPerToken"} // written, float32 [T]
+	scaleGroup = &ScaleRule{Name: "group", Enum: "arfuse::host::Scales::kPerGroup"} // written, float32 [T, H / Group]
+)
+
+// scaleRules is the arfuse::host::Scales enum in value order.
+var scaleRules = []*ScaleRule{scaleNone, scaleInput, scaleToken, scaleGroup}
+
+const fp8Torch, fp8Scalar = "float8_e4m3fn", "Float8_e4m3fn"
+
 var outKinds = []*OutKind{
-	{Name: "norm", Enum: "arfuse::OutKind::kNorm"},
-	{Name: "fp8_static", Enum: "arfuse::OutKind::kFP8Static"},
-	{Name: "fp8_token", Enum: "arfuse::OutKind::kFP8Token"},
-	{Name: "fp8_group128", Enum: "arfuse::OutKind::kFP8Group128", Group: quantGroup},
+	{Name: "norm", Enum: "arfuse::OutKind::kNorm", Writer: "arfuse::NormWriter", Scales: scaleNone},
+	{Name: "fp8_static", Enum: "arfuse::OutKind::kFP8Static", Writer: "arfuse::Fp8StaticWriter",
+		Torch: fp8Torch, Scalar: fp8Scalar, Scales: scaleInput},
+	{Name: "fp8_token", Enum: "arfuse::OutKind::kFP8Token", Writer: "arfuse::Fp8TokenWriter",
+		Torch: fp8Torch, Scalar: fp8Scalar, Scales: scaleToken, Bounded: true},
+	{Name: "fp8_group128", Enum: "arfuse::OutKind::kFP8Group128", Writer: "arfuse::Fp8Group128Writer",
+		Torch: fp8Torch, Scalar: fp8Scalar, Scales: scaleGroup, Group: quantGroup, Layouts: true},
 }
 
 // worldSizes are the tensor-parallel group sizes a specialised instance may be built for (the

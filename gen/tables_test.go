@@ -77,6 +77,10 @@ func TestTablesMatchHeaders(t *testing.T) {
 	if got, want := cppEnum(t, params, "OutKind"), enumsOf(outKinds, func(o *OutKind) string { return o.Enum }); !slices.Equal(got, want) {
 		t.Errorf("params.h OutKind is %v, the output kind table %v", got, want)
 	}
+	outKindsH := readRepoFile(t, "csrc/host/out_kinds.h")
+	if got, want := cppEnum(t, outKindsH, "Scales"), enumsOf(scaleRules, func(r *ScaleRule) string { return strings.TrimPrefix(r.Enum, "arfuse::host::") }); !slices.Equal(got, want) {
+		t.Errorf("csrc/host/out_kinds.h Scales is %v, the scale rule table %v", got, want)
+	}
 	for name, want := range map[string]int{"kQuantGroup": quantGroup, "kMaxWorld": maxWorld, "kMaxTopK": maxTopK} {
 		if got := cppConst(t, params, "params.h", name); got != want {
 			t.Errorf("params.h %s = %d, the tables %d", name, got, want)
@@ -103,6 +107,52 @@ func TestTablesMatchHeaders(t *testing.T) {
 				t.Errorf("%s: %s::%s is not declared in csrc/arfuse/ops.h", op.Name, opsNamespace, k.Fn)
 			}
 		}
+	}
+}
+
+// Every output kind is one row: its device writer is a struct of csrc/arfuse/writers.cuh whose
+// kKind is the row's enumerator and whose kGroup is the row's group; a kind with scales written per
+// group has a group, the others none; and only a kind that writes its scales takes scale_ub or the
+// scale layouts.
+func TestOutKindRows(t *testing.T) {
+	writers := string(readRepoFile(t, "csrc/arfuse/writers.cuh"))
+	for _, o := range outKinds {
+		name := strings.TrimPrefix(o.Writer, "arfuse::")
+		m := regexp.MustCompile(`(?s)\nstruct ` + regexp.QuoteMeta(name) + ` \{\n  static constexpr OutKind kKind = (\S+);\n  static constexpr int kGroup = (\S+);`).FindStringSubmatch(writers)
+		if m == nil {
+			t.Errorf("%s: csrc/arfuse/writers.cuh has no struct %s starting with kKind and kGroup", o.Name, name)
+			continue
+		}
+		if got := "arfuse::" + m[1]; got != o.Enum {
+			t.Errorf("%s: %s::kKind is %s, the table says %s", o.Name, name, got, o.Enum)
+		}
+		group := map[string]int{"0": 0, "kQuantGroup": quantGroup}[m[2]]
+		if group != o.Group || (group == 0 && m[2] != "0") {
+			t.Errorf("%s: %s::kGroup is %s, the table says %d", o.Name, name, m[2], o.Group)
+		}
+		if (o.Scales == scaleGroup) != (o.Group != 0) {
+			t.Errorf("%s: scales %s with group %d (a group is what per-group scales need)", o.Name, o.Scales.Name, o.Group)
+		}
+		written := o.Scales == scaleToken || o.Scales == scaleGroup
+		if (o.Bounded || o.Layouts) && !written {
+			t.Errorf("%s: scale_ub and the scale layouts are for kinds that write their scales", o.Name)
+		}
+		if (o.Torch == "") != (o.Scalar == "") {
+			t.Errorf("%s: torch dtype %q and ScalarType %q go together", o.Name, o.Torch, o.Scalar)
+		}
+	}
+	// One kind per way of being asked for: fused takes no scale or an input scale,
+	// fused_fp8_dynamic a group_size.
+	seen := map[string]string{}
+	for _, o := range outKinds {
+		key := o.Scales.Name
+		if o.Scales == scaleToken || o.Scales == scaleGroup {
+			key = "dynamic group_size " + strconv.Itoa(o.Group)
+		}
+		if prev, dup := seen[key]; dup {
+			t.Errorf("%s and %s are both asked for as %s", prev, o.Name, key)
+		}
+		seen[key] = o.Name
 	}
 }
 
@@ -140,6 +190,16 @@ func TestKernelLimitsMatchCUDA(t *testing.T) {
 	}
 }
 
+// pyOutput is one output kind row of arfuse/_vocab.py.
+type pyOutput struct {
+	Name    string `json:"name"`
+	Torch   string `json:"torch"`
+	Scales  string `json:"scales"`
+	Group   int    `json:"group"`
+	Bounded bool   `json:"bounded"`
+	Layouts bool   `json:"layouts"`
+}
+
 // pyVocab is the JSON block of arfuse/_vocab.py.
 type pyVocab struct {
 	DTypes []struct {
@@ -147,12 +207,9 @@ type pyVocab struct {
 		Torch string `json:"torch"`
 		Bytes int    `json:"bytes"`
 	} `json:"dtypes"`
-	Algorithms []string `json:"algorithms"`
-	Outputs    []struct {
-		Name  string `json:"name"`
-		Group int    `json:"group"`
-	} `json:"outputs"`
-	Limits map[string]int `json:"limits"`
+	Algorithms []string       `json:"algorithms"`
+	Outputs    []pyOutput     `json:"outputs"`
+	Limits     map[string]int `json:"limits"`
 }
 
 // arfuse/_vocab.py holds the tables as JSON; it must be exactly what the Go tables say.
@@ -178,10 +235,7 @@ func TestPythonVocabulary(t *testing.T) {
 	}
 	want.Algorithms = namesOf(allAlgos())
 	for _, o := range outKinds {
-		want.Outputs = append(want.Outputs, struct {
-			Name  string `json:"name"`
-			Group int    `json:"group"`
-		}{o.Name, o.Group})
+		want.Outputs = append(want.Outputs, pyOutput{o.Name, o.Torch, o.Scales.Name, o.Group, o.Bounded, o.Layouts})
 	}
 	want.Limits = map[string]int{
 		"vector_bytes": vectorBytes, "max_hidden": maxHidden, "generic_max_threads": genericMaxThreads,

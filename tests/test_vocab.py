@@ -53,3 +53,22 @@ def test_limits_are_the_built_plans(manifest):
         assert inst["world_size"] <= lim["max_world"]
         assert inst["hidden"] <= lim["max_hidden"]
 
+
+
+def test_every_output_row_has_its_reference_quantizer():
+    """An output kind is one row: arfuse/reference.py quantizes each row's kind, with the dtype
+    and scale shape the row says (the fake implementations and the CPU ops follow the rows)."""
+    from arfuse import reference
+
+    assert set(reference.QUANTIZERS) == set(_vocab.OUTPUTS)
+    T, H = 3, 256
+    y = torch.randn(T, H)
+    for name, row in _vocab.OUTPUT_ROWS.items():
+        scale = torch.tensor([0.5]) if row["scales"] == "input" else None
+        q, s = reference.quantize(name, y, fp8_scale=scale)
+        want = _vocab.OUTPUT_DTYPES[name]
+        assert (q.dtype == want) if want is not None else q is y, name
+        shape = {"none": None, "input": None, "token": (T,), "group": (T, H // max(row["group"], 1))}
+        assert (s is None) if shape[row["scales"]] is None else tuple(s.shape) == shape[row["scales"]], name
+    assert _vocab.dynamic_kind(0) == "fp8_token" and _vocab.dynamic_kind(128) == "fp8_group128"
+    assert _vocab.dynamic_kind(64) is None and _vocab.STATIC_KIND == "fp8_static"

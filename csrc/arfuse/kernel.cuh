@@ -3,7 +3,7 @@
 // Hand-written device code, the same for every variant. The generator instantiates it once per
 // kernel instance (out/kernels/<name>.cu) with the plan it decided in Go:
 //
-//   KernelConfig<T, OutKind, Algo, kHidden, kWorld, kThreadsPerToken, kVecsPerThread,
+//   KernelConfig<T, Out, Algo, kHidden, kWorld, kThreadsPerToken, kVecsPerThread,
 //                kTokensPerBlock, kCluster, kMinBlocksPerSM>
 //
 // kHidden == 0 / kWorld == 0 / kThreadsPerToken == 0 make the generic instance: hidden size,
@@ -31,11 +31,13 @@
 
 namespace arfuse {
 
-template <typename T_, OutKind kOut_, Algo kAlgo_, int kHidden_, int kWorld_, int kTpt_, int kVpt_,
+template <typename T_, class Out_, Algo kAlgo_, int kHidden_, int kWorld_, int kTpt_, int kVpt_,
           int kTpb_, int kCluster_, int kMinBlocks_>
 struct KernelConfig {
   using T = T_;
-  static constexpr OutKind kOut = kOut_;
+  // The output writer (csrc/arfuse/writers.cuh): what is written after the RMSNorm.
+  using Out = Out_;
+  static constexpr OutKind kOut = Out::kKind;
   static constexpr Algo kAlgo = kAlgo_;
   static constexpr int kHidden = kHidden_;  // 0: run-time
   static constexpr int kWorld = kWorld_;    // 0: run-time
@@ -53,23 +55,24 @@ struct KernelConfig {
   // Ranks polled per batch: all of them when N is fixed (loads issued together), 4 otherwise.
   static constexpr int kRankBatch = kWorld == 0 ? 4 : (kWorld < 8 ? kWorld : 8);
 
-  // kFP8Group128: a group is kGroupVecs consecutive vectors. With the plan's layout (vector
-  // v = cta_in_cluster * slice + lane + i * threads_per_token) and slice and threads_per_token
-  // multiples of kGroupVecs, a group is kGroupVecs aligned consecutive lanes of one warp, so its
-  // amax is a few shuffles. The generator rejects specialised plans that break this; generic
-  // instances (one CTA per token, whole warps) need hidden % 128 == 0, checked on the host.
-  static constexpr int kGroupVecs = kQuantGroup / kVec;
+  // Quantization groups (Out::kGroup elements, 0: none): a group is kGroupVecs consecutive
+  // vectors. With the plan's layout (vector v = cta_in_cluster * slice + lane + i *
+  // threads_per_token) and slice and threads_per_token multiples of kGroupVecs, a group is
+  // kGroupVecs aligned consecutive lanes of one warp, so its amax is a few shuffles. The
+  // generator rejects specialised plans that break this; generic instances (one CTA per token,
+  // whole warps) need hidden % kGroup == 0, checked on the host.
+  static constexpr int kGroup = Out::kGroup;
+  static constexpr int kGroupVecs = kGroup == 0 ? 1 : kGroup / kVec;
 
-  static_assert(kOut == OutKind::kNorm || kOut == OutKind::kFP8Static ||
-                    kOut == OutKind::kFP8Token || kOut == OutKind::kFP8Group128,
-                "unknown output kind");
-  static_assert(kGroupVecs >= 1 && kGroupVecs <= 32 && 32 % kGroupVecs == 0,
+  static_assert(kGroup == 0 || (kGroup % kVec == 0 && kGroupVecs >= 1 && kGroupVecs <= 32 &&
+                                32 % kGroupVecs == 0),
                 "a quantization group must be whole vectors within one warp");
-  static_assert(kOut != OutKind::kFP8Group128 || kGeneric ||
-                    (kHidden % kQuantGroup == 0 && (kHidden / kVec / kCluster) % kGroupVecs == 0 &&
+  static_assert(kGroup == 0 || kGeneric ||
+                    (kHidden % (kGroupVecs * kVec) == 0 &&
+                     (kHidden / kVec / kCluster) % kGroupVecs == 0 &&
                      kTpt % kGroupVecs == 0),
-                "fp8_group128: hidden must be a multiple of 128 and each CTA's slice of the row "
-                "whole groups");
+                "quantization groups: hidden must be a multiple of the group and each CTA's slice "
+                "of the row whole groups");
   static_assert(kAlgo == Algo::kOneShot || kAlgo == Algo::kTwoShot, "auto is resolved on the host");
   static_assert(kGeneric || kHidden % kVec == 0, "hidden must be a multiple of the vector width");
   static_assert(kGeneric || (kTpt % 32 == 0 && kTpt > 0), "threads per token: whole warps");
@@ -201,140 +204,23 @@ __device__ __forceinline__ void norm_vec(const LaunchParams& p, const uint4& rv,
   for (int j = 0; j < kVec; ++j) y[j] = (r[j] * inv) * (gm[j] + p.weight_bias);
 }
 
-// FP8-e4m3 codes of kVec values, saturating (round to nearest even, clamped to +-448; NaN stays
-// NaN), stored as one 8-byte (16-bit dtypes) or 4-byte (fp32) access at dst.
-template <int kVec>
-__device__ __forceinline__ void store_fp8(uint8_t* dst, const float (&x)[kVec]) {
-  uint8_t q[kVec];
-#pragma unroll
-  for (int j = 0; j < kVec; ++j) q[j] = __nv_fp8_e4m3(x[j]).__x;
-  if constexpr (kVec == 8) {
-    uint2 w;
-    w.x = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<uint32_t>(q[3]) << 24);
-    w.y = q[4] | (q[5] << 8) | (q[6] << 16) | (static_cast<uint32_t>(q[7]) << 24);
-    *reinterpret_cast<uint2*>(dst) = w;
-  } else {
-    *reinterpret_cast<uint32_t*>(dst) =
-        q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<uint32_t>(q[3]) << 24);
-  }
-}
-
-// The smallest power of two >= s (UE8M0 scales); NaN and Inf unchanged. s is positive and normal
-// here (at least 1e-10 / 448).
-__device__ __forceinline__ float pow2_ceil(float s) {
-  uint32_t b = __float_as_uint(s);
-  if ((b & 0x7f800000u) == 0x7f800000u) return s;
-  if ((b & 0x007fffffu) != 0u) b = (b & 0xff800000u) + 0x00800000u;
-  return __uint_as_float(b);
-}
-
-// Dynamic scales (vLLM semantics; see OutKind in params.h). amax is NaN-propagating.
-// Per token (vLLM dynamic_per_token_scaled_fp8_quant): max(min(amax, ub) / 448, 1 / (448 * 512)).
-__device__ __forceinline__ float token_scale(float amax, const float* ub) {
-  constexpr float kMinScale = 1.0f / (448.0f * 512.0f);
-  if (ub != nullptr) amax = min_nan(amax, __ldg(ub));
-  return max_nan(amax / 448.0f, kMinScale);
-}
-// Per group (vLLM per_token_group_quant_fp8): max(amax, 1e-10) / 448, optionally 2^ceil(log2).
-__device__ __forceinline__ float group_scale(float amax, bool ue8m0) {
-  const float s = max_nan(amax, 1e-10f) / 448.0f;
-  return ue8m0 ? pow2_ceil(s) : s;
-}
+// The output writers (one struct per output kind, KernelConfig's Out): they use Geometry,
+// row_reduce and norm_vec above.
+}  // namespace arfuse
+#include "arfuse/writers.cuh"
+namespace arfuse {
 
 // Writes the RMSNorm of one token's residual_out (already rounded and stored, in rv) in the
-// output kind of the config. Every thread of the block must call it, valid or not: the dynamic
-// kinds reduce over the token (kFP8Token: the block and the cluster; kFP8Group128: shuffles
-// within a warp), and only valid threads write.
+// output kind of the config (its writer, Cfg::Out). Every thread of the block must call it, valid
+// or not: a writer may reduce over the token or a warp, and only valid threads write.
 template <class Cfg>
 __device__ __forceinline__ void write_norm(const LaunchParams& p, const Geometry<Cfg>& geo,
                                            int64_t t, const uint4 (&rv)[Cfg::kVpt],
                                            float sum_squares, bool valid,
                                            float (*warp_sums)[Cfg::kWarpsPerToken],
                                            float* cluster_sums) {
-  using T = typename Cfg::T;
-  constexpr int kVec = Cfg::kVec;
   const float inv = rsqrtf(sum_squares / static_cast<float>(geo.H) + p.eps);
-  if constexpr (Cfg::kOut == OutKind::kNorm || Cfg::kOut == OutKind::kFP8Static) {
-    if (!valid) return;
-    float inv_scale = 1.0f;
-    if constexpr (Cfg::kOut == OutKind::kFP8Static) inv_scale = 1.0f / __ldg(p.fp8_scale);
-#pragma unroll
-    for (int i = 0; i < Cfg::kVpt; ++i) {
-      const int v = geo.vec(i);
-      if (v < 0) continue;
-      const int64_t elem = t * geo.H + static_cast<int64_t>(v) * kVec;
-      float y[kVec];
-      norm_vec<Cfg>(p, rv[i], v, inv, y);
-      if constexpr (Cfg::kOut == OutKind::kNorm) {
-        st_vec(static_cast<T*>(p.norm_out) + elem, pack<T>(y));
-      } else {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) y[j] *= inv_scale;
-        store_fp8<kVec>(static_cast<uint8_t*>(p.norm_out) + elem, y);
-      }
-    }
-  } else if constexpr (Cfg::kOut == OutKind::kFP8Token) {
-    // Pass 1: amax over the token (threads, warps, CTAs of the cluster); pass 2 recomputes y
-    // (the same operations, so the same values) instead of holding the row in registers.
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < Cfg::kVpt; ++i) {
-      const int v = geo.vec(i);
-      if (!valid || v < 0) continue;
-      float y[kVec];
-      norm_vec<Cfg>(p, rv[i], v, inv, y);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) amax = max_nan(amax, fabsf(y[j]));
-    }
-    amax = row_reduce<Cfg>(amax, geo, warp_sums, cluster_sums, MaxNanOp{});
-    if (!valid) return;
-    const float scale = token_scale(amax, p.scale_ub);
-    if (geo.lane == 0 && geo.cta_in_cluster == 0) p.scale_out[t] = scale;
-#pragma unroll
-    for (int i = 0; i < Cfg::kVpt; ++i) {
-      const int v = geo.vec(i);
-      if (v < 0) continue;
-      float y[kVec];
-      norm_vec<Cfg>(p, rv[i], v, inv, y);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) y[j] = y[j] / scale;
-      store_fp8<kVec>(static_cast<uint8_t*>(p.norm_out) + t * geo.H + static_cast<int64_t>(v) * kVec, y);
-    }
-  } else {  // kFP8Group128
-    constexpr int kGV = Cfg::kGroupVecs;
-    const bool ue8m0 = p.scale_ue8m0 != 0;
-    const int64_t groups = geo.H / kQuantGroup;
-#pragma unroll
-    for (int i = 0; i < Cfg::kVpt; ++i) {
-      if (Cfg::kGeneric && i >= geo.vpt) break;  // uniform over the block: shuffles stay whole
-      const int v = geo.vec(i);
-      const bool has = valid && v >= 0;
-      // y for every lane (vector 0's gamma where it has none), so that nothing diverges before
-      // the shuffles (a branch around norm_vec here made ptxas spill in the poll loop).
-      float y[kVec];
-      norm_vec<Cfg>(p, rv[i], has ? v : 0, inv, y);
-      float amax = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) amax = max_nan(amax, fabsf(y[j]));
-      if (!has) amax = 0.0f;
-      // The group's kGV lanes are aligned and consecutive: a butterfly over them (every lane of
-      // the warp takes part; lanes without a vector contribute 0).
-#pragma unroll
-      for (int off = kGV / 2; off > 0; off >>= 1) {
-        amax = max_nan(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      }
-      if (!has) continue;
-      const float scale = group_scale(amax, ue8m0);
-      if (v % kGV == 0) {
-        const int64_t g = v / kGV;
-        const int64_t at = p.scale_col_major ? g * geo.T + t : t * groups + g;
-        p.scale_out[at] = scale;
-      }
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) y[j] = y[j] / scale;
-      store_fp8<kVec>(static_cast<uint8_t*>(p.norm_out) + t * geo.H + static_cast<int64_t>(v) * kVec, y);
-    }
-  }
+  Cfg::Out::template write<Cfg>(p, geo, t, rv, inv, valid, warp_sums, cluster_sums);
 }
 
 // Sums the N partial vectors at base + n * stride (n in rank order) once every one has arrived,
@@ -583,8 +469,10 @@ cudaError_t launch_fused(const LaunchParams& p, cudaStream_t stream) {
     block = ((nvec + 31) / 32) * 32;
     if (block > Cfg::kBlockThreads) block = Cfg::kBlockThreads;
     if ((nvec + block - 1) / block > Cfg::kVpt) return cudaErrorInvalidValue;
-    if (Cfg::kOut == OutKind::kFP8Group128 && p.hidden % kQuantGroup != 0) {
-      return cudaErrorInvalidValue;  // the host checks this first, with a clear error
+    if constexpr (Cfg::kGroup != 0) {
+      if (p.hidden % Cfg::kGroup != 0) {
+        return cudaErrorInvalidValue;  // the host checks this first, with a clear error
+      }
     }
   }
   constexpr auto kernel_fn = kernel_of<Cfg>();

@@ -12,7 +12,7 @@ namespace arfuse {
 
 // Bumped whenever LaunchParams, the kernel template's parameters or the launcher signature change.
 // Every generated file static_asserts on it, so stale generated output stops compiling.
-#define ARFUSE_DEVICE_API_VERSION 9
+#define ARFUSE_DEVICE_API_VERSION 10
 
 constexpr int kMaxWorld = 16;   // largest tensor-parallel group a communicator serves
 constexpr int kMaxTopK = 64;    // largest K (experts per token) accepted by the op
@@ -32,7 +32,7 @@ enum class Algo : int32_t { kAuto = 0, kOneShot = 1, kTwoShot = 2 };
 // y is the float32 RMSNorm output; the dynamic kinds write saturate(y / scale). amax is
 // NaN-propagating: a NaN in the token (group) makes its scale and every code of it NaN.
 enum class OutKind : int32_t { kNorm = 0, kFP8Static = 1, kFP8Token = 2, kFP8Group128 = 3 };
-// Elements per group of OutKind::kFP8Group128.
+// Elements per group of OutKind::kFP8Group128 (its writer's kGroup, csrc/arfuse/writers.cuh).
 constexpr int kQuantGroup = 128;
 // How the routed experts' outputs arrive.
 enum class Layout : int32_t {

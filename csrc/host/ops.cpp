@@ -13,6 +13,7 @@
 #include "host/device.h"
 #include "host/errors.h"
 #include "host/launch.h"
+#include "host/out_kinds.h"
 #include "host/tensor_arg.h"
 #include "host/validate.h"
 
@@ -92,8 +93,8 @@ std::tuple<Tensor, Tensor> fused(const Tensor& expert_out, const OptTensor& perm
   const host::Checked k =
       host::validate_fused(c, expert_out, permuted_idx, expert_weights, shared_out, residual,
                            gamma, eps, weight_bias, fp8_scale, algorithm, /*check_device=*/true);
-  const ScalarType out_type = k.out == OutKind::kFP8Static ? ScalarType::Float8_e4m3fn : c.scalar;
-  host::Outputs out{host::empty({k.T, k.H}, out_type, k.device),
+  const host::OutKindTraits& kind = host::traits(k.out);
+  host::Outputs out{host::empty({k.T, k.H}, host::out_dtype(kind, c.scalar), k.device),
                     host::empty({k.T, k.H}, c.scalar, k.device)};
   if (k.T > 0) {
     const host::Inputs in{expert_out, permuted_idx, expert_weights, shared_out,
@@ -114,18 +115,19 @@ std::tuple<Tensor, Tensor, Tensor> fused_fp8_dynamic(
                                                shared_out, residual, gamma, eps, weight_bias,
                                                std::nullopt, algorithm, /*check_device=*/true, &dq);
   // Allocated in this order (q, residual_out, scales): the GPU tests poison these blocks first.
-  host::Outputs out{host::empty({k.T, k.H}, ScalarType::Float8_e4m3fn, k.device),
+  const host::OutKindTraits& kind = host::traits(k.out);
+  host::Outputs out{host::empty({k.T, k.H}, host::out_dtype(kind, c.scalar), k.device),
                     host::empty({k.T, k.H}, c.scalar, k.device)};
-  const int64_t G = k.H / kQuantGroup;
-  if (k.out == OutKind::kFP8Token) {
+  // The scales by the kind's rule (validation chose a kind whose scales the kernel writes).
+  if (kind.scales == host::Scales::kPerToken) {
     out.scales = host::empty({k.T}, ScalarType::Float, k.device);
   } else if (col_major_scales) {
     // Column-major [T, G]: scale (t, g) at g * T + t, the layout block-FP8 GEMMs read: a [G, T]
     // tensor transposed (strides (1, T)), as vLLM's per_token_group_quant_fp8 allocates it.
-    out.scales = host::empty_strided({k.T, G}, {1, std::max<int64_t>(k.T, 1)}, ScalarType::Float,
-                                     k.device);
+    out.scales = host::empty_strided({k.T, k.H / kind.group}, {1, std::max<int64_t>(k.T, 1)},
+                                     ScalarType::Float, k.device);
   } else {
-    out.scales = host::empty({k.T, G}, ScalarType::Float, k.device);
+    out.scales = host::empty({k.T, k.H / kind.group}, ScalarType::Float, k.device);
   }
   out.scale_ub = &scale_ub;
   out.col_major = col_major_scales;
@@ -226,8 +228,8 @@ std::vector<std::string> supported_variants() {
 std::string instance_for(ScalarType dtype, int64_t hidden, int64_t world_size, int64_t algorithm,
                          int64_t out_kind) {
   ARFUSE_CHECK_VALUE(algorithm == 1 || algorithm == 2, "algorithm: want 1 or 2");
-  ARFUSE_CHECK_VALUE(out_kind >= 0 && out_kind <= 3, "out_kind: ", out_kind,
-                     " is not one of 0 (norm), 1 (fp8_static), 2 (fp8_token), 3 (fp8_group128)");
+  ARFUSE_CHECK_VALUE(host::find_out_kind(out_kind) != nullptr, "out_kind: ", out_kind,
+                     " is not one of ", host::out_kind_list());
   std::string why;
   const Instance* inst = find_instance(host::to_dtype(dtype, "dtype"), static_cast<int>(hidden),
                                        static_cast<int>(world_size), static_cast<Algo>(algorithm),

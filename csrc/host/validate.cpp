@@ -6,6 +6,7 @@
 
 #include "arfuse/dispatch.h"
 #include "host/errors.h"
+#include "host/out_kinds.h"
 
 namespace arfuse::host {
 
@@ -115,27 +116,64 @@ void check_shared(Rows& k, const Arg& s, ScalarType act, const char* owner,
   k.shared_out = s.data;
 }
 
+// "per-token" or "per-group": what a dynamic kind's scales are called in messages.
+const char* scales_adjective(const OutKindTraits* t) {
+  if (t == nullptr) return "no";
+  return t->scales == Scales::kPerGroup ? "per-group" : "per-token";
+}
+
+// The first dynamic kind (one fused_fp8_dynamic serves) with flag set, for messages; nullptr if none.
+const OutKindTraits* dynamic_with(bool OutKindTraits::*flag) {
+  int count = 0;
+  const OutKindTraits* table = out_kind_table(&count);
+  for (int i = 0; i < count; ++i) {
+    if (&table[i] == dynamic_kind(table[i].group) && table[i].*flag) return &table[i];
+  }
+  return nullptr;
+}
+
+// The group sizes fused_fp8_dynamic takes: "0: one scale per token, or 128: one scale per ...".
+std::string dynamic_kinds_text() {
+  int count = 0;
+  const OutKindTraits* table = out_kind_table(&count);
+  std::string s;
+  for (int i = 0; i < count; ++i) {
+    if (&table[i] != dynamic_kind(table[i].group)) continue;
+    s += (s.empty() ? "" : ", or ") + std::to_string(table[i].group) + ": " + scale_text(table[i]);
+  }
+  return s;
+}
+
+// The dynamic kinds' arguments, each checked against the traits of the kind group_size picks
+// (out_kinds.h): no branch per kind. The messages name the kinds that do take an argument.
 void check_dynamic_quant(Checked& k, const DynamicQuant& dq, const Comm& c, const Arg& x,
                          bool check_device) {
-  ARFUSE_CHECK_VALUE(dq.group_size == 0 || dq.group_size == kQuantGroup, "group_size: ",
-                     dq.group_size, " is not supported (want 0: one scale per token, or ",
-                     kQuantGroup, ": one scale per group of ", kQuantGroup, " elements)");
-  const bool has_ub = dq.scale_ub != nullptr && dq.scale_ub->has_value();
-  if (dq.group_size == kQuantGroup) {
-    ARFUSE_CHECK_VALUE(k.H % kQuantGroup == 0, "hidden: ", k.H,
-                       " is not a multiple of group_size=", kQuantGroup,
-                       " (per-group FP8 scales need whole groups of ", kQuantGroup,
-                       " elements; use group_size=0, one scale per token)");
-    ARFUSE_CHECK_VALUE(!has_ub, "scale_ub: an upper bound applies to per-token scales only "
-                       "(group_size=0), not to group_size=", kQuantGroup);
-    k.out = OutKind::kFP8Group128;
-    return;
+  const OutKindTraits* kind = dynamic_kind(dq.group_size);
+  ARFUSE_CHECK_VALUE(kind != nullptr, "group_size: ", dq.group_size, " is not supported (want ",
+                     dynamic_kinds_text(), ")");
+  if (kind->group != 0) {
+    const OutKindTraits* token = kind_with(Scales::kPerToken);
+    ARFUSE_CHECK_VALUE(k.H % kind->group == 0, "hidden: ", k.H,
+                       " is not a multiple of group_size=", kind->group,
+                       " (per-group FP8 scales need whole groups of ", kind->group,
+                       " elements; use group_size=", token ? token->group : 0, ", ",
+                       token ? scale_text(*token) : "", ")");
   }
-  ARFUSE_CHECK_VALUE(!dq.col_major, "col_major_scales: the column-major layout applies to "
-                     "per-group scales only (group_size=", kQuantGroup, ")");
-  ARFUSE_CHECK_VALUE(!dq.ue8m0, "ue8m0: power-of-two scales apply to per-group scales only "
-                     "(group_size=", kQuantGroup, ")");
-  if (has_ub) {
+  const bool has_ub = dq.scale_ub != nullptr && dq.scale_ub->has_value();
+  if (!kind->bounded) {
+    const OutKindTraits* b = dynamic_with(&OutKindTraits::bounded);
+    ARFUSE_CHECK_VALUE(!has_ub, "scale_ub: an upper bound applies to ", scales_adjective(b),
+                       " scales only (group_size=", b ? b->group : 0, "), not to group_size=",
+                       kind->group);
+  }
+  if (!kind->layouts) {
+    const OutKindTraits* l = dynamic_with(&OutKindTraits::layouts);
+    ARFUSE_CHECK_VALUE(!dq.col_major, "col_major_scales: the column-major layout applies to ",
+                       scales_adjective(l), " scales only (group_size=", l ? l->group : 0, ")");
+    ARFUSE_CHECK_VALUE(!dq.ue8m0, "ue8m0: power-of-two scales apply to ", scales_adjective(l),
+                       " scales only (group_size=", l ? l->group : 0, ")");
+  }
+  if (kind->bounded && has_ub) {
     const Arg ub = read(**dq.scale_ub, "scale_ub");
     ARFUSE_CHECK_TYPE(ub.dtype == ScalarType::Float, "scale_ub: dtype ", TypeName{ub.dtype},
                       " (want float32)");
@@ -150,7 +188,7 @@ void check_dynamic_quant(Checked& k, const DynamicQuant& dq, const Comm& c, cons
     }
     k.scale_ub = static_cast<const float*>(ub.data);
   }
-  k.out = OutKind::kFP8Token;
+  k.out = kind->kind;
 }
 
 // Algorithm and instance, decided before anything is launched.
@@ -235,7 +273,8 @@ Checked validate_fused(const Comm& c, const Tensor& expert_out, const OptTensor&
   ARFUSE_CHECK_VALUE(eps >= 0.0, "eps: ", eps, " must be >= 0");
   ARFUSE_CHECK_VALUE(weight_bias == 0.0 || weight_bias == 1.0, "weight_bias: ", weight_bias,
                      " must be 0 (x * gamma) or 1 (x * (1 + gamma))");
-  k.out = OutKind::kNorm;
+  // fused: no scale (the kind without scales) or an input scale (the kind that takes one).
+  k.out = kind_with(Scales::kNone)->kind;
   if (fp8_scale) {
     const Arg s = read(*fp8_scale, "fp8_scale");
     ARFUSE_CHECK_TYPE(s.dtype == ScalarType::Float, "fp8_scale: dtype ", TypeName{s.dtype},
@@ -244,7 +283,7 @@ Checked validate_fused(const Comm& c, const Tensor& expert_out, const OptTensor&
                        SizesOf{s});
     check_tensor(s, where);
     k.fp8_scale = static_cast<const float*>(s.data);
-    k.out = OutKind::kFP8Static;
+    k.out = kind_with(Scales::kInput)->kind;
   }
   if (dq != nullptr) check_dynamic_quant(k, *dq, c, x, check_device);
 

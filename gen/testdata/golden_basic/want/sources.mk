@@ -5,5 +5,5 @@ ARFUSE_CU_SOURCES := \
   $(ARFUSE_OUT)/kernels/arfuse_bf16_h7168_w8_oneshot_norm.cu \
   $(ARFUSE_OUT)/kernels/arfuse_bf16_h7168_w8_twoshot_norm.cu \
   $(ARFUSE_OUT)/dispatch.cu
-ARFUSE_CXX_SOURCES := $(ARFUSE_OUT)/ops_registration.cpp
+ARFUSE_CXX_SOURCES := $(ARFUSE_OUT)/ops_registration.cpp $(ARFUSE_OUT)/out_kinds.cpp
 ARFUSE_GEN_HEADERS := $(ARFUSE_OUT)/dispatch_table.h

@@ -5,5 +5,5 @@ ARFUSE_CU_SOURCES := \
   $(ARFUSE_OUT)/kernels/arfuse_fp32_h7168_w16_twoshot_fp8_static.cu \
   $(ARFUSE_OUT)/kernels/arfuse_fp32_h7168_w2_twoshot_fp8_static.cu \
   $(ARFUSE_OUT)/dispatch.cu
-ARFUSE_CXX_SOURCES := $(ARFUSE_OUT)/ops_registration.cpp
+ARFUSE_CXX_SOURCES := $(ARFUSE_OUT)/ops_registration.cpp $(ARFUSE_OUT)/out_kinds.cpp
 ARFUSE_GEN_HEADERS := $(ARFUSE_OUT)/dispatch_table.h
