@@ -7,12 +7,15 @@ import re
 import pytest
 
 from arfuse.bench import cli as bench
+from arfuse.bench import ladder
 from arfuse.check import dist as dist_check
 
 
-@pytest.mark.parametrize("build", [bench.build_parser, dist_check.build_parser],
-                         ids=["bench", "dist_check"])
-def test_help_texts(build):
+@pytest.mark.parametrize("build, options", [(bench.build_parser, 10),
+                                            (dist_check.build_parser, 10),
+                                            (ladder.build_parser, 7)],
+                         ids=["bench", "check", "ladder"])
+def test_help_texts(build, options):
     parser = build()
     text = parser.format_help()
     for bad in ("(default: None)", "(default: True)", "(default: False)", "(default: ==SUPPRESS==)"):
@@ -29,4 +32,4 @@ def test_help_texts(build):
         if action.nargs != 0 and action.default is not None:
             assert "default" in expanded, f"{name}: its default {action.default!r} is not said"
         checked += 1
-    assert checked >= 10
+    assert checked >= options
