@@ -58,6 +58,22 @@ __device__ __forceinline__ float group_scale(float amax, bool ue8m0) {
   return ue8m0 ? pow2_ceil(s) : s;
 }
 
+// Calls f(elem, y) for each vector this thread holds of token t's row: elem its first element in
+// [T, H], y its RMSNorm in float32 (norm_vec). The loop every writer without a shuffle shares.
+template <class Cfg, class F>
+__device__ __forceinline__ void for_each_norm_vec(const LaunchParams& p, const Geometry<Cfg>& geo,
+                                                  int64_t t, const uint4 (&rv)[Cfg::kVpt],
+                                                  float inv, F&& f) {
+#pragma unroll
+  for (int i = 0; i < Cfg::kVpt; ++i) {
+    const int v = geo.vec(i);
+    if (v < 0) continue;
+    float y[Cfg::kVec];
+    norm_vec<Cfg>(p, rv[i], v, inv, y);
+    f(t * geo.H + static_cast<int64_t>(v) * Cfg::kVec, y);
+  }
+}
+
 // norm: y in the activation dtype.
 struct NormWriter {
   static constexpr OutKind kKind = OutKind::kNorm;
@@ -67,17 +83,10 @@ struct NormWriter {
                                                int64_t t, const uint4 (&rv)[Cfg::kVpt], float inv,
                                                bool valid, float (*)[Cfg::kWarpsPerToken], float*) {
     using T = typename Cfg::T;
-    constexpr int kVec = Cfg::kVec;
     if (!valid) return;
-#pragma unroll
-    for (int i = 0; i < Cfg::kVpt; ++i) {
-      const int v = geo.vec(i);
-      if (v < 0) continue;
-      const int64_t elem = t * geo.H + static_cast<int64_t>(v) * kVec;
-      float y[kVec];
-      norm_vec<Cfg>(p, rv[i], v, inv, y);
+    for_each_norm_vec<Cfg>(p, geo, t, rv, inv, [&](int64_t elem, float (&y)[Cfg::kVec]) {
       st_vec(static_cast<T*>(p.norm_out) + elem, pack<T>(y));
-    }
+    });
   }
 };
 
@@ -92,17 +101,11 @@ struct Fp8StaticWriter {
     constexpr int kVec = Cfg::kVec;
     if (!valid) return;
     const float inv_scale = 1.0f / __ldg(p.fp8_scale);
-#pragma unroll
-    for (int i = 0; i < Cfg::kVpt; ++i) {
-      const int v = geo.vec(i);
-      if (v < 0) continue;
-      const int64_t elem = t * geo.H + static_cast<int64_t>(v) * kVec;
-      float y[kVec];
-      norm_vec<Cfg>(p, rv[i], v, inv, y);
+    for_each_norm_vec<Cfg>(p, geo, t, rv, inv, [&](int64_t elem, float (&y)[kVec]) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) y[j] *= inv_scale;
       store_fp8<kVec>(static_cast<uint8_t*>(p.norm_out) + elem, y);
-    }
+    });
   }
 };
 
@@ -120,29 +123,21 @@ struct Fp8TokenWriter {
     // Pass 1: amax over the token (threads, warps, CTAs of the cluster); pass 2 recomputes y
     // (the same operations, so the same values) instead of holding the row in registers.
     float amax = 0.0f;
+    if (valid) {
+      for_each_norm_vec<Cfg>(p, geo, t, rv, inv, [&](int64_t, float (&y)[kVec]) {
 #pragma unroll
-    for (int i = 0; i < Cfg::kVpt; ++i) {
-      const int v = geo.vec(i);
-      if (!valid || v < 0) continue;
-      float y[kVec];
-      norm_vec<Cfg>(p, rv[i], v, inv, y);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) amax = max_nan(amax, fabsf(y[j]));
+        for (int j = 0; j < kVec; ++j) amax = max_nan(amax, fabsf(y[j]));
+      });
     }
     amax = row_reduce<Cfg>(amax, geo, warp_sums, cluster_sums, MaxNanOp{});
     if (!valid) return;
     const float scale = token_scale(amax, p.scale_ub);
     if (geo.lane == 0 && geo.cta_in_cluster == 0) p.scale_out[t] = scale;
-#pragma unroll
-    for (int i = 0; i < Cfg::kVpt; ++i) {
-      const int v = geo.vec(i);
-      if (v < 0) continue;
-      float y[kVec];
-      norm_vec<Cfg>(p, rv[i], v, inv, y);
+    for_each_norm_vec<Cfg>(p, geo, t, rv, inv, [&](int64_t elem, float (&y)[kVec]) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) y[j] = y[j] / scale;
-      store_fp8<kVec>(static_cast<uint8_t*>(p.norm_out) + t * geo.H + static_cast<int64_t>(v) * kVec, y);
-    }
+      store_fp8<kVec>(static_cast<uint8_t*>(p.norm_out) + elem, y);
+    });
   }
 };
 
