@@ -1,4 +1,4 @@
-"""Byte counts for ``python -m arfuse.bench`` (pure Python, no torch, no GPU).
+"""Byte counts for ``python -m arfuse.bench`` (pure Python arithmetic, no GPU).
 
 Every count is **per call and per rank**: the bytes one rank's kernel(s) read and write in global
 memory (its own HBM and, over NVLink, its peers' buffers). Notation:
@@ -69,8 +69,10 @@ not counted (reported as empty).
 
 from __future__ import annotations
 
+from .._vocab import KERNEL_ALGORITHMS
+
 LAYOUTS = ("permuted", "dense", "plain")
-ALGORITHMS = ("oneshot", "twoshot")
+ALGORITHMS = KERNEL_ALGORITHMS  # ("oneshot", "twoshot")
 
 
 def _check(layout: str, T: int, H: int, K: int, N: int) -> None:

@@ -57,15 +57,16 @@ from pathlib import Path
 
 from . import byte_counts as BB
 from . import report as BR
+from .. import _vocab
 from .._cli import HelpFormatter
 from .._tools.provenance import run_info
 from .._tools.ranks import torchrun_world
 
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
+DTYPE_NAMES = _vocab.DTYPE_NAMES
 DEFAULT_TOKENS = [1 << i for i in range(14)]  # 1, 2, 4, ..., 8192
 ALL_IMPLS = BR.IMPL_ORDER
 TUNE_IMPLS = ("arfuse_oneshot", "arfuse_twoshot")
-MAX_WORLD = 16  # csrc/arfuse/params.h kMaxWorld
+MAX_WORLD = _vocab.MAX_WORLD
 
 
 class BenchError(Exception):

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import _vocab
 from . import byte_counts as BB
 from . import report as BR
 
-TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TORCH_DTYPES = _vocab.DTYPES
 TOLERANCE = {"bf16": 1e-2, "fp16": 2e-3, "fp32": 1e-5}
 
 

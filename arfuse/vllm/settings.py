@@ -11,6 +11,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .._vocab import ALGORITHMS  # the `algorithm` argument of torch.ops.arfuse.fused
+
 ENABLE_ENV = "ARFUSE_VLLM"
 MAX_TOKENS_ENV = "ARFUSE_VLLM_MAX_TOKENS"
 ONESHOT_MAX_TOKENS_ENV = "ARFUSE_VLLM_ONESHOT_MAX_TOKENS"
@@ -28,8 +30,6 @@ MOE_ROWS_ENV = "ARFUSE_VLLM_MOE_ROWS"
 # gives up too early breaks the communicator; arfuse's own default (10 s) suits tests.
 DEFAULT_TIMEOUT_S = 600
 
-# The `algorithm` argument of torch.ops.arfuse.fused.
-ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2}
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"", "0", "false", "no", "off"}
