@@ -99,7 +99,9 @@ struct FloorArgs {
   float eps;
 };
 
-__global__ void floor_oneshot(const __grid_constant__ FloorArgs a) {
+// Up to 1024 threads (H = 7168: 896): the launch bound keeps the registers within one block per SM
+// (without it ptxas took 80 registers and the launch failed with too many resources).
+__global__ void __launch_bounds__(1024) floor_oneshot(const __grid_constant__ FloorArgs a) {
   __shared__ float warp_sums[32];
   const int t = blockIdx.x;
   const int v = threadIdx.x;

@@ -274,11 +274,11 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
   // reset by its reader right after it is read) ----
   const uint32_t epoch_read = *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch);
   const uint32_t epoch = epoch_read % kNumSlots;
-  // Arrival, at the start: the block has read this call's epoch. A reduction without a return
+  // One-shot: arrival at the start, the block has read this call's epoch. A reduction without a return
   // value (nothing waits for it); its operand depends on the epoch just read (epoch_read / 4 is
   // 0, but the compiler cannot know), so it is issued only once that read has returned. Block 0
   // advances the epoch at its end once every block has arrived (below).
-  if (threadIdx.x == 0) red_add_gpu(&p.ctrl->arrived, 1u + epoch_read / 4u);
+  if (kOneShot && threadIdx.x == 0) red_add_gpu(&p.ctrl->arrived, 1u + epoch_read / 4u);
   const int slot = static_cast<int>(epoch);
   const int64_t slot_off = static_cast<int64_t>(slot) * p.slot_elems;
   T* const own = static_cast<T*>(p.buffers[rank]);
@@ -387,8 +387,6 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
       if (!valid || v < 0) continue;
       const int64_t elem = static_cast<int64_t>(v) * kVec;
       if constexpr (kOneShot) {
-        // gamma into L1 before the wait: the norm reads it only after the row's reduction.
-        prefetch_l1(static_cast<const char*>(p.gamma) + elem * (p.gamma_f32 ? 4 : sizeof(T)));
         const uint4 res = p.residual != nullptr
                               ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
                               : make_uint4(0, 0, 0, 0);
@@ -414,18 +412,35 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
     write_norm<Cfg>(p, geo, t, rv, total, valid, warp_sums, cluster_sums);
   }
 
-  // ---- completion: block 0 advances the epoch once every block has read it ----
-  // Only block 0 waits, and only for the arrivals at the other blocks' starts (all blocks of the
-  // capped grid are resident, so they come); no block waits for an atomic's return at its end.
-  // The next call reads the new epoch after this kernel has finished (stream order), so no block
-  // of this call can see it.
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    while (ld_relaxed_gpu(&p.ctrl->arrived) < gridDim.x) {
+  // ---- completion ----
+  if constexpr (kOneShot) {
+    // Block 0 advances the epoch once every block has read it (arrived at its start). Only block
+    // 0 waits, and only for those arrivals (all blocks of the capped grid are resident, so they
+    // come); no block waits for an atomic's return at its end. The next call reads the new epoch
+    // after this kernel has finished (stream order), so no block of this call can see it.
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      while (ld_relaxed_gpu(&p.ctrl->arrived) < gridDim.x) {
+      }
+      // Read again rather than kept live through the call (registers): nothing else writes it.
+      volatile uint32_t* const e = &p.ctrl->epoch;
+      *reinterpret_cast<volatile uint32_t*>(&p.ctrl->arrived) = 0;
+      *e = (*e + 1) % kNumSlots;
     }
-    // Read again rather than kept live through the call (registers): nothing else writes it.
-    volatile uint32_t* const e = &p.ctrl->epoch;
-    *reinterpret_cast<volatile uint32_t*>(&p.ctrl->arrived) = 0;
-    *e = (*e + 1) % kNumSlots;
+  } else {
+    // Two-shot: the last block to finish advances the epoch (the arrival-at-start form above
+    // made the large-T two-shot 3-4 % slower at Qwen3-30B N = 2 in the A/B of 2026-12-03; at
+    // large T the end-of-block atomic is amortised anyway). Both forms leave arrived = 0 and the
+    // epoch advanced by one, so calls of either algorithm may follow each other.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      const unsigned prev = atomicAdd(&p.ctrl->arrived, 1u);
+      if (prev == gridDim.x - 1) {
+        p.ctrl->arrived = 0;
+        __threadfence();
+        *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch) = (epoch + 1) % kNumSlots;
+      }
+    }
   }
 }
 
