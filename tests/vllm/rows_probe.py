@@ -9,11 +9,15 @@ Usage: python rows_probe.py ROOT CASE MODE SEED
         interpreter with triton_cpu's stand-ins; the switch is expected to take every layer.
         cpu: vLLM's CPU MoE backend (decoder_models.cpu_build); the switch must leave every
         layer as vLLM built it.
+        memory: triton's models, uncompiled; the peak of live tensor bytes (live_bytes.LiveBytes)
+        while the first MoE block runs once, switched and vLLM's own, on the same input.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import importlib
 import json
 import operator
@@ -36,6 +40,7 @@ SETUP = triton_cpu.setup(vllm.__version__)
 
 import decoder_models as D  # noqa: E402
 import vllm_harness as H  # noqa: E402
+from live_bytes import LiveBytes  # noqa: E402
 
 from arfuse.comm import cpu_communicator  # noqa: E402
 from arfuse.vllm import moe_rows  # noqa: E402
@@ -43,8 +48,17 @@ from arfuse.vllm import moe_rows  # noqa: E402
 # One Triton tile configuration for every GEMM (vLLM otherwise asks the platform for a device
 # name to pick its tuned configs; the interpreter runs any valid one).
 TILE = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
-CASES = {"qwen3-moe": D.QWEN3_MOE, "deepseek-v3": D.DEEPSEEK_V3, "mixtral": D.MIXTRAL}
+# Mixtral with a wide expert (intermediate 768: N = 2 * 768 / TP 2 = 768 > H = 256), as
+# Mixtral-8x7B at TP < 7: vLLM's workspace2 is then larger than the rows.
+MIXTRAL_WIDE = dataclasses.replace(D.MIXTRAL, name="mixtral-wide",
+                                   config=dict(D.MIXTRAL.config, intermediate_size=768))
+CASES = {"qwen3-moe": D.QWEN3_MOE, "deepseek-v3": D.DEEPSEEK_V3, "mixtral": D.MIXTRAL,
+         "mixtral-wide": MIXTRAL_WIDE}
 TOKENS = (9, 1)
+# The MoE ops whose Python kernels LiveBytes follows inside.
+MOE_OPS = frozenset({"vllm::moe_forward", "vllm::moe_forward_shared",
+                     "arfuse_vllm::moe_forward_rows", "arfuse_vllm::moe_forward_shared_rows"})
+MEMORY_TOKENS = (24, 9, 1)
 
 
 @contextlib.contextmanager
@@ -68,6 +82,7 @@ def triton_build():
 
 
 def build(root: Path, case, mode: str, seed: int):
+    """The case's model: with vLLM's CPU MoE backend (mode cpu), else with TritonExperts."""
     if mode == "cpu":
         return D.build(root, case, torch.bfloat16, seed)
     from vllm.config import set_current_vllm_config
@@ -126,6 +141,75 @@ def ops_in(graph: torch.fx.Graph) -> dict[str, int]:
     return dict(collections.Counter(H.op_name(n) for n in graph.nodes if H.op_name(n)))
 
 
+def moe_block(built) -> tuple[torch.nn.Module, object]:
+    """The first decoder layer's MoE block (its submodule holding a MoE runner) and the runner."""
+    runners = {id(r): r for r in moe_rows.moe_runners(built.config).values()}
+    for layer in built.model.layers:
+        for child in layer.children():
+            for m in child.modules():
+                if id(m) in runners:
+                    return child, m
+    raise AssertionError("no MoE block")
+
+
+@contextlib.contextmanager
+def kernels_allocate_nothing():
+    """While LiveBytes counts: a kernel launch under Triton's interpreter runs with the mode off
+    (the interpreter's numpy work and triton_cpu's rounding casts go through torch, a GPU kernel
+    allocates nothing), and is followed by a garbage collection (the interpreter leaves
+    reference cycles holding the kernel's arguments, which would keep them alive past their
+    last use in vLLM's code)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime import interpreter as ti
+
+    launch = ti.GridExecutor.__call__
+
+    def call(self, *args, **kwargs):
+        with _disable_current_modes():
+            launch(self, *args, **kwargs)
+        gc.collect()
+
+    with mock.patch.object(ti.GridExecutor, "__call__", call):
+        yield
+
+
+def peak_bytes(built, block: torch.nn.Module, x: torch.Tensor) -> tuple[LiveBytes, torch.Tensor]:
+    """LiveBytes of one eager call of `block` on x, after a first call (which grows vLLM's shared
+    workspace to what the call asks: on a GPU vLLM's profile run has done so before serving)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    with D.tensor_parallel(2), set_current_vllm_config(built.config), \
+            set_forward_context(None, built.config), torch.no_grad():
+        block(x.clone())
+        x = x.clone()
+        gc.collect()
+        with kernels_allocate_nothing(), LiveBytes(MOE_OPS) as lb:
+            y = block(x)
+    return lb, y
+
+
+def memory(ref_model, model, case, seed: int) -> dict:
+    (ref_block, _), (block, runner) = moe_block(ref_model), moe_block(model)
+    assert getattr(runner._forward_entry, "arfuse_rows", False)
+    routed = runner.routed_experts
+    out: dict = {"K": int(runner.moe_config.experts_per_token), "H": case.hidden,
+                 "N": int(routed.w13_weight.shape[1]), "itemsize": 2, "runs": []}
+    for T in MEMORY_TOKENS:
+        g = torch.Generator().manual_seed(seed + T)
+        x = torch.randn(T, case.hidden, generator=g).to(torch.bfloat16)
+        ref, y_ref = peak_bytes(ref_model, ref_block, x)
+        got, y = peak_bytes(model, block, x)
+        out["runs"].append({
+            "T": T, "vllm_peak": ref.peak, "switched_peak": got.peak,
+            "vllm_at_peak": [dataclasses.astuple(a) for a in ref.at_peak],
+            "switched_at_peak": [dataclasses.astuple(a) for a in got.at_peak],
+            "vllm_allocated": [dataclasses.astuple(a) for a in ref.allocated],
+            "switched_allocated": [dataclasses.astuple(a) for a in got.allocated],
+            "max_abs": float((y.double() - y_ref.double()).abs().max())})
+    return out
+
+
 def main() -> None:
     from vllm.model_executor.layers.fused_moe import override_config
 
@@ -143,6 +227,11 @@ def main() -> None:
     out["switched"] = switched
     out["kept"] = kept
     out["entries_unchanged"] = [n for n, r in runners.items() if r._forward_entry is entries[n]]
+    if mode == "memory":
+        with override_config(TILE):
+            out["memory"] = memory(ref_model, model, case, seed)
+        print("RESULT " + json.dumps(out))
+        return
     inps = [D.inputs(model, T, torch.Generator().manual_seed(seed + T)) for T in TOKENS]
     comm = cpu_communicator(max_tokens=H.MAX_TOKENS, hidden=case.hidden, dtype=torch.bfloat16)
     with override_config(TILE):

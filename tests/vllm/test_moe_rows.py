@@ -107,3 +107,55 @@ def test_ineligible_experts_are_left_as_vllm_built_them(tmp_path):
     assert all(c["dims"] == 2 for c in got["calls"])
     for e in got["errors"]:
         assert e["finite"] and e["within"] <= 1.0, (got["seed"], e)
+
+
+@pytest.mark.parametrize("case", ["qwen3-moe", "deepseek-v3", "mixtral-wide"])
+def test_switched_layer_peak_memory(tmp_path, case):
+    """Peak of live tensor bytes while the first MoE block of the model runs once, eager on the
+    CPU, switched vs vLLM's own (same weights, same input; T = 24, 9, 1), counted exactly by
+    live_bytes.LiveBytes: every storage an op creates, from its creation to its release, vLLM's
+    shared workspace excluded (grown by a first call, as vLLM's profile run grows it), Triton
+    kernels allocating nothing (as on the GPU). The GPU's peak is not measured.
+
+    From the code (b = 2 bytes, bf16; K top-k; N the w13 rows per rank; H hidden):
+
+    * the two layers allocate the same tensors (op by op, shape and dtype) except that vLLM's
+      [T, H] MoE output (FusedMoEKernelModularImpl.apply's empty_like) is gone and two come in:
+      the fresh workspace2, W = T*K*max(N, H)*b bytes (its first T*K*H elements are the rows),
+      and the top-k sum's [T, H] (rows.sum(dim=1), in the graph after the rows op);
+    * vLLM's peak is at its all-reduce (the MoE output and the all-reduce's output live; with
+      shared experts also the shared output and shared + rsf * routed); the switched layer's at
+      its top-k sum (workspace2 and the sum live): the difference is
+      max(0, W - T*H*b) without shared experts, max(0, W - 2*T*H*b) with them.
+
+    Here H = 256, K = 2: Qwen3-MoE (N = 128): W - T*H*b = T*512 B (12288 B at T = 24);
+    DeepSeek-V3 (N = 128, shared experts): 0 B; Mixtral with an intermediate size of 768
+    (N = 768 > H, as Mixtral-8x7B at TP < 7): W - T*H*b = T*2560 B (61440 B at T = 24)."""
+    from collections import Counter
+
+    got = probe(tmp_path, case, "memory")
+    assert got["switched"] and got["kept"] == {}, got["kept"]
+    m = got["memory"]
+    K, N, H, b = m["K"], m["N"], m["H"], m["itemsize"]
+    assert (K, H) == (2, 256) and N == {"qwen3-moe": 128, "deepseek-v3": 128,
+                                        "mixtral-wide": 768}[case]
+    shared = case == "deepseek-v3"
+    for r in m["runs"]:
+        T = r["T"]
+        W = T * K * max(N, H) * b
+        # The same output, every element (eager: moe_sum and rows.sum(1) round once each).
+        assert r["max_abs"] == 0.0, r
+        # The allocations, as (op, bytes, shape, dtype), differ by exactly these three.
+        vllm_allocs = Counter((a[0], a[1], tuple(a[2]), a[3]) for a in r["vllm_allocated"])
+        sw_allocs = Counter((a[0], a[1], tuple(a[2]), a[3]) for a in r["switched_allocated"])
+        assert sw_allocs - vllm_allocs == Counter([
+            ("aten::empty.memory_format", W, (T, K, max(N, H)), "torch.bfloat16"),
+            ("aten::sum.dim_IntList", T * H * b, (T, H), "torch.bfloat16")]), T
+        ((op, *gone), n), = (vllm_allocs - sw_allocs).items()  # 0.26 empty_like, 0.34 new_empty
+        assert n == 1 and op in ("aten::empty_like", "aten::new_empty") and \
+            gone == [T * H * b, (T, H), "torch.bfloat16"], (T, op, gone)
+        # workspace2 is live at the switched layer's peak.
+        assert [W, [T, K, max(N, H)], "torch.bfloat16"] in [a[1:] for a in r["switched_at_peak"]]
+        expected = max(0, W - (2 if shared else 1) * T * H * b)
+        assert r["switched_peak"] - r["vllm_peak"] == expected, (T, r["switched_peak"],
+                                                                 r["vllm_peak"], expected)
