@@ -503,7 +503,7 @@ def model_config(root: Path, case: ModelCase, dtype: torch.dtype, **compilation:
         cudagraph_mode="NONE",
         # A CUDA-only pass (vLLM imports it only on CUDA platforms) that vLLM turns on for MLA
         # models; it fuses rope + KV-cache writes around the attention op, not what arfuse sees.
-        passes={"fuse_rope_kvcache_cat_mla": False},
+        passes={"fuse_rope_kvcache_cat_mla": False, **compilation.pop("passes", {})},
         **compilation,
     )
     # What VllmConfig does on platforms with CUDA graphs (_set_cudagraph_sizes), here with none

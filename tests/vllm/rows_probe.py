@@ -52,8 +52,16 @@ TILE = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_
 # Mixtral-8x7B at TP < 7: vLLM's workspace2 is then larger than the rows.
 MIXTRAL_WIDE = dataclasses.replace(D.MIXTRAL, name="mixtral-wide",
                                    config=dict(D.MIXTRAL.config, intermediate_size=768))
+# DeepSeek-V3 as released: FP8-block experts (128x128 weight blocks, activations quantized per
+# token and group of 128: vLLM's Fp8MoEMethod with TritonExperts). Its intermediate size is 256
+# (128 per rank: a whole block).
+FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+             "weight_block_size": [128, 128]}
+DEEPSEEK_V3_FP8 = dataclasses.replace(
+    D.DEEPSEEK_V3, name="deepseek-v3-fp8",
+    config=dict(D.DEEPSEEK_V3.config, moe_intermediate_size=256, quantization_config=FP8_BLOCK))
 CASES = {"qwen3-moe": D.QWEN3_MOE, "deepseek-v3": D.DEEPSEEK_V3, "mixtral": D.MIXTRAL,
-         "mixtral-wide": MIXTRAL_WIDE}
+         "mixtral-wide": MIXTRAL_WIDE, "deepseek-v3-fp8": DEEPSEEK_V3_FP8}
 TOKENS = (9, 1)
 # The MoE ops whose Python kernels LiveBytes follows inside.
 MOE_OPS = frozenset({"vllm::moe_forward", "vllm::moe_forward_shared",
@@ -63,11 +71,16 @@ MEMORY_TOKENS = (24, 9, 1)
 
 @contextlib.contextmanager
 def triton_build():
-    """decoder_models.cpu_build with vLLM's TritonExperts for the unquantized experts (the
-    backend vLLM's oracle picks on Hopper) instead of its CPU backend."""
+    """decoder_models.cpu_build with vLLM's TritonExperts for the unquantized and the FP8
+    experts (the backend vLLM's oracles pick on Hopper) instead of its CPU backend. With an FP8
+    quantization config, only the experts are FP8 (Fp8MoEMethod): vLLM's FP8-block linear layers
+    have no CPU kernel, so every other layer is built unquantized (the config's ignored-layer
+    test answers yes for them)."""
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as um
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.quantization import fp8
 
     with contextlib.ExitStack() as stack:
         for name in ("qwen3_moe", "deepseek_v2", "mixtral"):
@@ -78,6 +91,11 @@ def triton_build():
         choice = (UnquantizedMoeBackend.TRITON, TritonExperts)
         stack.enter_context(mock.patch.object(
             um, "select_unquantized_moe_backend", lambda moe_config: choice))
+        stack.enter_context(mock.patch.object(
+            fp8, "select_fp8_moe_backend",
+            lambda *a, **k: (Fp8MoeBackend.TRITON, TritonExperts)))
+        stack.enter_context(mock.patch.object(
+            fp8, "is_layer_skipped", lambda prefix, *a, **k: not prefix.endswith(".experts")))
         yield
 
 
@@ -88,7 +106,11 @@ def build(root: Path, case, mode: str, seed: int):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    config = D.model_config(root, case, torch.bfloat16)
+    # vLLM turns its norm + quant fusion passes on for FP8 models; their module needs vLLM's CUDA
+    # kernels to import (and the linear layers here are unquantized: nothing for them to fuse).
+    quantized = "quantization_config" in case.config
+    passes = {"fuse_norm_quant": False, "fuse_act_quant": False} if quantized else {}
+    config = D.model_config(root, case, torch.bfloat16, passes=passes)
     H.ensure_distributed(config)
     default = torch.get_default_dtype()
     with D.tensor_parallel(2), triton_build(), set_current_vllm_config(config):
@@ -97,7 +119,12 @@ def build(root: Path, case, mode: str, seed: int):
             model = case.model_cls()(vllm_config=config, prefix="model")
         finally:
             torch.set_default_dtype(default)
-        D.init_weights(model, torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        D.init_weights(model, generator)
+        with torch.no_grad():  # FP8 block scales: positive, around 1
+            for n, p in model.named_parameters():
+                if n.endswith("weight_scale_inv"):
+                    p.copy_(1.0 + 0.25 * torch.rand(p.shape, generator=generator))
         process_weights_after_loading(model, config.model_config, torch.device("cpu"))
     D._ensure_workspace()
     return D.Built(case, config, model.requires_grad_(False), torch.bfloat16,
@@ -239,6 +266,11 @@ def main() -> None:
         t0 = time.time()
         refs = [D.run_eager(ref_model, a) for a in inps]
         out["ref_moe_sum_calls"] = triton_cpu.CALLS.get("moe_sum", 0)
+        out["ref_calls"] = dict(triton_cpu.CALLS)
+        # The switched model uncompiled: the rows op and the top-k sum, eager.
+        eager = [D.run_eager(model, a) for a in inps]
+        out["eager_max_abs"] = [float((e.double() - r.double()).abs().max())
+                                for e, r in zip(eager, refs)]
         triton_cpu.CALLS.clear()
         run = D.compile_and_run(model, comm, inps)
         out["moe_sum_calls"] = triton_cpu.CALLS.get("moe_sum", 0)
@@ -253,8 +285,15 @@ def main() -> None:
         errs.append({"T": T, "shape": list(got.shape), "finite": bool(torch.isfinite(g).all()),
                      "max_abs": float((g - r).abs().max()), "ref_max": float(r.abs().max()),
                      "rel": float((g - r).norm() / r.norm()),
-                     "within": float(((g - r).abs() / (2**-6 + 2**-5 * r.abs())).max())})
+                     "within": float(((g - r).abs() / (2**-6 + 2**-5 * r.abs())).max()),
+                     "within_fp8": float(((g - r).abs() / (2**-4 + 2**-4 * r.abs())).max())})
     out["errors"] = errs
+    out["quant_methods"] = sorted({type(r.routed_experts.quant_method).__name__
+                                   for r in runners.values()})
+    out["experts"] = sorted({type(getattr(getattr(r.routed_experts.quant_method, "moe_kernel",
+                                                  None), "fused_experts", None)).__name__
+                             for r in runners.values()})
+    out["w13_dtype"] = sorted({str(r.routed_experts.w13_weight.dtype) for r in runners.values()})
     print("RESULT " + json.dumps(out))
 
 
