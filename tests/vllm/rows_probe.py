@@ -145,14 +145,8 @@ def rows_source(node) -> str:
 def calls(graph: torch.fx.Graph) -> list[dict]:
     """Every arfuse.fused call after dead-code elimination: the expert input's rank and source,
     the shared input's source, the routed scale."""
-    import copy
-
-    g = copy.deepcopy(graph)
-    g.eliminate_dead_code()
     out = []
-    for n in g.nodes:
-        if H.op_name(n) != "arfuse::fused":
-            continue
+    for n in H.fused_nodes(graph):
         x = n.args[0]
         v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
         out.append({"dims": v.dim() if v is not None else None,
