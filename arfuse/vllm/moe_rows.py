@@ -59,10 +59,11 @@ def _no_topk_sum(*args: Any, **kwargs: Any) -> None:
 def _workspace13(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """workspace13 (GEMM1's activation output, dead once apply returns) from vLLM's shared
     workspace, asked for no more than vLLM's own _allocate_buffers asks; fresh where vLLM has no
-    workspace manager (the CPU)."""
+    workspace manager (its CPU worker starts none). Decided by the manager, not by the device: a
+    process that has one on the CPU (the tests) then allocates as a GPU worker does."""
     from vllm.v1.worker import workspace as ws
 
-    if device.type == "cpu" or not ws.is_workspace_manager_initialized():
+    if not ws.is_workspace_manager_initialized():
         return torch.empty((n,), dtype=dtype, device=device)
     (buf,) = ws.current_workspace_manager().get_simultaneous(((n,), dtype))
     return buf

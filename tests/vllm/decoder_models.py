@@ -194,35 +194,19 @@ class ModelCase:
 
 
 HIDDEN = 256
+# What every case's config has.
+SMALL = {"hidden_size": HIDDEN, "num_experts_per_tok": 2, "vocab_size": 512,
+         "max_position_embeddings": 4096, "hidden_act": "silu", "tie_word_embeddings": False,
+         "torch_dtype": "bfloat16"}
 
 QWEN3_MOE = ModelCase(
     name="qwen3-moe",
     module="qwen3_moe",
     model_class="Qwen3MoeModel",
     decoder_class="Qwen3MoeDecoderLayer",
-    config={
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "hidden_size": HIDDEN,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "num_hidden_layers": 2,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "vocab_size": 512,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    },
+    # Qwen3-30B-A3B's config (vllm_harness.QWEN3_MOE), small.
+    config=dict(H.QWEN3_MOE.config, **SMALL, intermediate_size=512, moe_intermediate_size=128,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64),
     # q_norm and k_norm per layer (over the head dimension)
     norms_left=4,
 )
@@ -233,41 +217,21 @@ DEEPSEEK_V3 = ModelCase(
     model_class="DeepseekV2Model",
     decoder_class="DeepseekV2DecoderLayer",
     config={
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "hidden_size": HIDDEN,
-        "intermediate_size": 512,
-        "moe_intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 96,
-        "kv_lora_rank": 64,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16,
-        "v_head_dim": 32,
-        "num_hidden_layers": 3,
-        "first_k_dense_replace": 1,
-        "moe_layer_freq": 1,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "n_group": 4,
-        "topk_group": 2,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 2.5,
-        "vocab_size": 512,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        **SMALL,
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 3,
+        # MLA
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 96,
+        "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+        # one dense layer, then MoE layers with a shared expert and grouped sigmoid top-k
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_routed_experts": 8,
+        "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid", "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "rope_scaling": {
             "type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
             "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
         },
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
     },
     # q_a_layernorm and kv_a_layernorm per layer (over the MLA latents)
     norms_left=6,
@@ -280,23 +244,11 @@ MIXTRAL = ModelCase(
     model_class="MixtralModel",
     decoder_class="MixtralDecoderLayer",
     config={
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "hidden_size": HIDDEN,
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "num_hidden_layers": 2,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-        "vocab_size": 512,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 1000000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+        **SMALL,
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "intermediate_size": 256, "num_local_experts": 8, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
     },
     norms_left=0,
 )
@@ -309,30 +261,18 @@ GPT_OSS = ModelCase(
     # The released checkpoints are MXFP4; without a quantization_config vLLM builds the MoE
     # unquantized (bf16), the form its CPU backend runs.
     config={
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "hidden_size": HIDDEN,
-        "intermediate_size": 256,
-        "head_dim": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-        "sliding_window": 128,
-        "layer_types": ["sliding_attention", "full_attention"],
-        "vocab_size": 512,
-        "max_position_embeddings": 4096,
+        **SMALL,
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "intermediate_size": 256, "num_local_experts": 8, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"],
         "rms_norm_eps": 1e-5,
         "rope_parameters": {
             "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
             "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
             "truncate": False,
         },
-        "hidden_act": "silu",
         "swiglu_limit": 7.0,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
     },
     norms_left=0,
 )
@@ -503,7 +443,7 @@ def model_config(root: Path, case: ModelCase, dtype: torch.dtype, **compilation:
         cudagraph_mode="NONE",
         # A CUDA-only pass (vLLM imports it only on CUDA platforms) that vLLM turns on for MLA
         # models; it fuses rope + KV-cache writes around the attention op, not what arfuse sees.
-        passes={"fuse_rope_kvcache_cat_mla": False},
+        passes={"fuse_rope_kvcache_cat_mla": False, **compilation.pop("passes", {})},
         **compilation,
     )
     # What VllmConfig does on platforms with CUDA graphs (_set_cudagraph_sizes), here with none
@@ -749,15 +689,10 @@ def fused_chains(graph: torch.fx.Graph, routed_scaling: float) -> list[tuple[Any
     "scaled_shared" (routed * rsf + shared), "shared_scaled" (shared * (1/rsf) + routed);
     outputs: "both" or "first" (residual output unused); sources: what produced the call's
     activation operands (_source)."""
-    import copy
     import math
 
-    g = copy.deepcopy(graph)
-    g.eliminate_dead_code()
     out = []
-    for n in g.nodes:
-        if H.op_name(n) != "arfuse::fused":
-            continue
+    for n in H.fused_nodes(graph):
         x, _, _, shared, residual, _w, eps, wb, rsf = n.args[:9]
         used = sorted(u.args[1] for u in n.users)
         outputs = {(0, 1): "both", (0,): "first"}.get(tuple(used), str(used))

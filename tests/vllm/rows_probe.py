@@ -9,11 +9,15 @@ Usage: python rows_probe.py ROOT CASE MODE SEED
         interpreter with triton_cpu's stand-ins; the switch is expected to take every layer.
         cpu: vLLM's CPU MoE backend (decoder_models.cpu_build); the switch must leave every
         layer as vLLM built it.
+        memory: triton's models, uncompiled; the peak of live tensor bytes (live_bytes.LiveBytes)
+        while the first MoE block runs once, switched and vLLM's own, on the same input.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import gc
 import importlib
 import json
 import operator
@@ -36,6 +40,7 @@ SETUP = triton_cpu.setup(vllm.__version__)
 
 import decoder_models as D  # noqa: E402
 import vllm_harness as H  # noqa: E402
+from live_bytes import LiveBytes  # noqa: E402
 
 from arfuse.comm import cpu_communicator  # noqa: E402
 from arfuse.vllm import moe_rows  # noqa: E402
@@ -43,17 +48,39 @@ from arfuse.vllm import moe_rows  # noqa: E402
 # One Triton tile configuration for every GEMM (vLLM otherwise asks the platform for a device
 # name to pick its tuned configs; the interpreter runs any valid one).
 TILE = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1}
-CASES = {"qwen3-moe": D.QWEN3_MOE, "deepseek-v3": D.DEEPSEEK_V3, "mixtral": D.MIXTRAL}
+# Mixtral with a wide expert (intermediate 768: N = 2 * 768 / TP 2 = 768 > H = 256), as
+# Mixtral-8x7B at TP < 7: vLLM's workspace2 is then larger than the rows.
+MIXTRAL_WIDE = dataclasses.replace(D.MIXTRAL, name="mixtral-wide",
+                                   config=dict(D.MIXTRAL.config, intermediate_size=768))
+# DeepSeek-V3 as released: FP8-block experts (128x128 weight blocks, activations quantized per
+# token and group of 128: vLLM's Fp8MoEMethod with TritonExperts). Its intermediate size is 256
+# (128 per rank: a whole block).
+FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+             "weight_block_size": [128, 128]}
+DEEPSEEK_V3_FP8 = dataclasses.replace(
+    D.DEEPSEEK_V3, name="deepseek-v3-fp8",
+    config=dict(D.DEEPSEEK_V3.config, moe_intermediate_size=256, quantization_config=FP8_BLOCK))
+CASES = {"qwen3-moe": D.QWEN3_MOE, "deepseek-v3": D.DEEPSEEK_V3, "mixtral": D.MIXTRAL,
+         "mixtral-wide": MIXTRAL_WIDE, "deepseek-v3-fp8": DEEPSEEK_V3_FP8}
 TOKENS = (9, 1)
+# The MoE ops whose Python kernels LiveBytes follows inside.
+MOE_OPS = frozenset({"vllm::moe_forward", "vllm::moe_forward_shared",
+                     "arfuse_vllm::moe_forward_rows", "arfuse_vllm::moe_forward_shared_rows"})
+MEMORY_TOKENS = (24, 9, 1)
 
 
 @contextlib.contextmanager
 def triton_build():
-    """decoder_models.cpu_build with vLLM's TritonExperts for the unquantized experts (the
-    backend vLLM's oracle picks on Hopper) instead of its CPU backend."""
+    """decoder_models.cpu_build with vLLM's TritonExperts for the unquantized and the FP8
+    experts (the backend vLLM's oracles pick on Hopper) instead of its CPU backend. With an FP8
+    quantization config, only the experts are FP8 (Fp8MoEMethod): vLLM's FP8-block linear layers
+    have no CPU kernel, so every other layer is built unquantized (the config's ignored-layer
+    test answers yes for them)."""
     from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as um
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.quantization import fp8
 
     with contextlib.ExitStack() as stack:
         for name in ("qwen3_moe", "deepseek_v2", "mixtral"):
@@ -64,16 +91,26 @@ def triton_build():
         choice = (UnquantizedMoeBackend.TRITON, TritonExperts)
         stack.enter_context(mock.patch.object(
             um, "select_unquantized_moe_backend", lambda moe_config: choice))
+        stack.enter_context(mock.patch.object(
+            fp8, "select_fp8_moe_backend",
+            lambda *a, **k: (Fp8MoeBackend.TRITON, TritonExperts)))
+        stack.enter_context(mock.patch.object(
+            fp8, "is_layer_skipped", lambda prefix, *a, **k: not prefix.endswith(".experts")))
         yield
 
 
 def build(root: Path, case, mode: str, seed: int):
+    """The case's model: with vLLM's CPU MoE backend (mode cpu), else with TritonExperts."""
     if mode == "cpu":
         return D.build(root, case, torch.bfloat16, seed)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    config = D.model_config(root, case, torch.bfloat16)
+    # vLLM turns its norm + quant fusion passes on for FP8 models; their module needs vLLM's CUDA
+    # kernels to import (and the linear layers here are unquantized: nothing for them to fuse).
+    quantized = "quantization_config" in case.config
+    passes = {"fuse_norm_quant": False, "fuse_act_quant": False} if quantized else {}
+    config = D.model_config(root, case, torch.bfloat16, passes=passes)
     H.ensure_distributed(config)
     default = torch.get_default_dtype()
     with D.tensor_parallel(2), triton_build(), set_current_vllm_config(config):
@@ -82,7 +119,12 @@ def build(root: Path, case, mode: str, seed: int):
             model = case.model_cls()(vllm_config=config, prefix="model")
         finally:
             torch.set_default_dtype(default)
-        D.init_weights(model, torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        D.init_weights(model, generator)
+        with torch.no_grad():  # FP8 block scales: positive, around 1
+            for n, p in model.named_parameters():
+                if n.endswith("weight_scale_inv"):
+                    p.copy_(1.0 + 0.25 * torch.rand(p.shape, generator=generator))
         process_weights_after_loading(model, config.model_config, torch.device("cpu"))
     D._ensure_workspace()
     return D.Built(case, config, model.requires_grad_(False), torch.bfloat16,
@@ -103,14 +145,8 @@ def rows_source(node) -> str:
 def calls(graph: torch.fx.Graph) -> list[dict]:
     """Every arfuse.fused call after dead-code elimination: the expert input's rank and source,
     the shared input's source, the routed scale."""
-    import copy
-
-    g = copy.deepcopy(graph)
-    g.eliminate_dead_code()
     out = []
-    for n in g.nodes:
-        if H.op_name(n) != "arfuse::fused":
-            continue
+    for n in H.fused_nodes(graph):
         x = n.args[0]
         v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
         out.append({"dims": v.dim() if v is not None else None,
@@ -124,6 +160,75 @@ def ops_in(graph: torch.fx.Graph) -> dict[str, int]:
     import collections
 
     return dict(collections.Counter(H.op_name(n) for n in graph.nodes if H.op_name(n)))
+
+
+def moe_block(built) -> tuple[torch.nn.Module, object]:
+    """The first decoder layer's MoE block (its submodule holding a MoE runner) and the runner."""
+    runners = {id(r): r for r in moe_rows.moe_runners(built.config).values()}
+    for layer in built.model.layers:
+        for child in layer.children():
+            for m in child.modules():
+                if id(m) in runners:
+                    return child, m
+    raise AssertionError("no MoE block")
+
+
+@contextlib.contextmanager
+def kernels_allocate_nothing():
+    """While LiveBytes counts: a kernel launch under Triton's interpreter runs with the mode off
+    (the interpreter's numpy work and triton_cpu's rounding casts go through torch, a GPU kernel
+    allocates nothing), and is followed by a garbage collection (the interpreter leaves
+    reference cycles holding the kernel's arguments, which would keep them alive past their
+    last use in vLLM's code)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime import interpreter as ti
+
+    launch = ti.GridExecutor.__call__
+
+    def call(self, *args, **kwargs):
+        with _disable_current_modes():
+            launch(self, *args, **kwargs)
+        gc.collect()
+
+    with mock.patch.object(ti.GridExecutor, "__call__", call):
+        yield
+
+
+def peak_bytes(built, block: torch.nn.Module, x: torch.Tensor) -> tuple[LiveBytes, torch.Tensor]:
+    """LiveBytes of one eager call of `block` on x, after a first call (which grows vLLM's shared
+    workspace to what the call asks: on a GPU vLLM's profile run has done so before serving)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    with D.tensor_parallel(2), set_current_vllm_config(built.config), \
+            set_forward_context(None, built.config), torch.no_grad():
+        block(x.clone())
+        x = x.clone()
+        gc.collect()
+        with kernels_allocate_nothing(), LiveBytes(MOE_OPS) as lb:
+            y = block(x)
+    return lb, y
+
+
+def memory(ref_model, model, case, seed: int) -> dict:
+    (ref_block, _), (block, runner) = moe_block(ref_model), moe_block(model)
+    assert getattr(runner._forward_entry, "arfuse_rows", False)
+    routed = runner.routed_experts
+    out: dict = {"K": int(runner.moe_config.experts_per_token), "H": case.hidden,
+                 "N": int(routed.w13_weight.shape[1]), "itemsize": 2, "runs": []}
+    for T in MEMORY_TOKENS:
+        g = torch.Generator().manual_seed(seed + T)
+        x = torch.randn(T, case.hidden, generator=g).to(torch.bfloat16)
+        ref, y_ref = peak_bytes(ref_model, ref_block, x)
+        got, y = peak_bytes(model, block, x)
+        out["runs"].append({
+            "T": T, "vllm_peak": ref.peak, "switched_peak": got.peak,
+            "vllm_at_peak": [dataclasses.astuple(a) for a in ref.at_peak],
+            "switched_at_peak": [dataclasses.astuple(a) for a in got.at_peak],
+            "vllm_allocated": [dataclasses.astuple(a) for a in ref.allocated],
+            "switched_allocated": [dataclasses.astuple(a) for a in got.allocated],
+            "max_abs": float((y.double() - y_ref.double()).abs().max())})
+    return out
 
 
 def main() -> None:
@@ -143,6 +248,11 @@ def main() -> None:
     out["switched"] = switched
     out["kept"] = kept
     out["entries_unchanged"] = [n for n, r in runners.items() if r._forward_entry is entries[n]]
+    if mode == "memory":
+        with override_config(TILE):
+            out["memory"] = memory(ref_model, model, case, seed)
+        print("RESULT " + json.dumps(out))
+        return
     inps = [D.inputs(model, T, torch.Generator().manual_seed(seed + T)) for T in TOKENS]
     comm = cpu_communicator(max_tokens=H.MAX_TOKENS, hidden=case.hidden, dtype=torch.bfloat16)
     with override_config(TILE):
@@ -150,6 +260,11 @@ def main() -> None:
         t0 = time.time()
         refs = [D.run_eager(ref_model, a) for a in inps]
         out["ref_moe_sum_calls"] = triton_cpu.CALLS.get("moe_sum", 0)
+        out["ref_calls"] = dict(triton_cpu.CALLS)
+        # The switched model uncompiled: the rows op and the top-k sum, eager.
+        eager = [D.run_eager(model, a) for a in inps]
+        out["eager_max_abs"] = [float((e.double() - r.double()).abs().max())
+                                for e, r in zip(eager, refs)]
         triton_cpu.CALLS.clear()
         run = D.compile_and_run(model, comm, inps)
         out["moe_sum_calls"] = triton_cpu.CALLS.get("moe_sum", 0)
@@ -164,8 +279,15 @@ def main() -> None:
         errs.append({"T": T, "shape": list(got.shape), "finite": bool(torch.isfinite(g).all()),
                      "max_abs": float((g - r).abs().max()), "ref_max": float(r.abs().max()),
                      "rel": float((g - r).norm() / r.norm()),
-                     "within": float(((g - r).abs() / (2**-6 + 2**-5 * r.abs())).max())})
+                     "within": float(((g - r).abs() / (2**-6 + 2**-5 * r.abs())).max()),
+                     "within_fp8": float(((g - r).abs() / (2**-4 + 2**-4 * r.abs())).max())})
     out["errors"] = errs
+    out["quant_methods"] = sorted({type(r.routed_experts.quant_method).__name__
+                                   for r in runners.values()})
+    out["experts"] = sorted({type(getattr(getattr(r.routed_experts.quant_method, "moe_kernel",
+                                                  None), "fused_experts", None)).__name__
+                             for r in runners.values()})
+    out["w13_dtype"] = sorted({str(r.routed_experts.w13_weight.dtype) for r in runners.values()})
     print("RESULT " + json.dumps(out))
 
 

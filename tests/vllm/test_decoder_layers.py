@@ -60,6 +60,18 @@ def build_with_communicator(root, comms, case, dtype, seed):
     return D.build(root, case, dtype, seed), comms(D.spec_for(case, dtype), dtype)
 
 
+def build_and_compile(root, comms, case, dtype, seed):
+    """(built, run, want): the case's model compiled as vLLM compiles it with the arfuse pass and
+    run on TOKENS (one compile, checked), and the uncompiled model's outputs on the same inputs."""
+    built, comm = build_with_communicator(root, comms, case, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    arg_sets = [D.inputs(built, t, g) for t in TOKENS]
+    want = [D.run_eager(built, a) for a in arg_sets]
+    run = D.compile_and_run(built, comm, arg_sets)
+    assert_symbolic_single_compile(built, run)
+    return built, run, want
+
+
 def ops(graph) -> Counter:
     return Counter(H.op_name(n) or str(n.target) for n in graph.nodes if n.op == "call_function")
 
@@ -157,18 +169,12 @@ CASE_DTYPES = [(c, torch.bfloat16) for c in D.CASES] + [
     ids=[f"{c.name}-{str(d).removeprefix('torch.')}" for c, d in CASE_DTYPES],
 )
 def test_real_decoder_layers(root, comms, case, dtype, seed):
-    built, comm = build_with_communicator(root, comms, case, dtype, seed)
+    built, run, want = build_and_compile(root, comms, case, dtype, seed)
     if case is D.DEEPSEEK_V3:  # the classes vLLM builds for DeepSeek-V3 on a GPU
         layers = list(built.model.layers)
         assert {type(m.self_attn).__name__ for m in layers} == {"DeepseekV2MLAAttention"}
         assert [type(m.mlp).__name__ for m in layers] == ["DeepseekV2MLP"] + [
             "DeepseekV2MoE"] * (case.layers - 1)
-    g = torch.Generator().manual_seed(seed + 1)
-    arg_sets = [D.inputs(built, t, g) for t in TOKENS]
-    want = [D.run_eager(built, a) for a in arg_sets]
-
-    run = D.compile_and_run(built, comm, arg_sets)
-    assert_symbolic_single_compile(built, run)
     befores = [b for b, _ in run.graphs]
     afters = [a for _, a in run.graphs]
 
@@ -208,12 +214,7 @@ def test_deepseek_fp16_overflow_scaling(root, comms, seed):
     all-reduce and the norm match no pattern and stay as they are (the plain all-reduce + norm
     pattern has nothing in between)."""
     case, dtype = DEEPSEEK_V3_2L, torch.float16
-    built, comm = build_with_communicator(root, comms, case, dtype, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    arg_sets = [D.inputs(built, t, g) for t in TOKENS]
-    want = [D.run_eager(built, a) for a in arg_sets]
-    run = D.compile_and_run(built, comm, arg_sets)
-    assert_symbolic_single_compile(built, run)
+    built, run, want = build_and_compile(root, comms, case, dtype, seed)
     afters = [a for _, a in run.graphs]
 
     shared = ("moe_forward_shared[0]", "moe_forward_shared[1]")  # x = shared, shared_out = routed

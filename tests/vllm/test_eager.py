@@ -151,16 +151,6 @@ def test_rejects_what_it_cannot_compute(env):
         moe_finalize_allreduce_rms_norm(object(), x, RMSNorm(h))
 
 
-def fp8_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """e4m3 steps between two FP8 tensors, element by element (codes as signed magnitudes)."""
-
-    def ordinal(x):
-        u = x.view(torch.uint8).to(torch.int32)
-        return torch.where(u >= 0x80, -(u & 0x7F), u & 0x7F)
-
-    return (ordinal(a) - ordinal(b)).abs()
-
-
 @pytest.mark.parametrize("gemma", [False, True], ids=["rmsnorm", "gemma"])
 def test_static_fp8_output(env, gemma, monkeypatch):
     """fp8_scale: norm_out is what vLLM's static per-tensor FP8 quant makes of vLLM's norm output
@@ -197,7 +187,7 @@ def test_static_fp8_output(env, gemma, monkeypatch):
         # one step apart at most.
         same = (got[1] == want_res).all(dim=-1)
         assert same.sum() >= T - 1
-        assert int(fp8_steps(got[0][same], want[same]).max()) <= 1
+        assert int(H.fp8_steps(got[0][same], want[same]).max()) <= 1
     assert torch.equal(fallback[0].view(torch.uint8), no_kernel[0].view(torch.uint8))
     # The fallback is vLLM's norm and quant on the same bf16 values: the very same codes.
     assert torch.equal(fallback[0].view(torch.uint8), want.view(torch.uint8))

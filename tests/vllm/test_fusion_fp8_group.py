@@ -16,7 +16,6 @@ vLLM's FP8-block GEMMs (Triton, DeepGEMM, CUTLASS) have no CPU path.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from unittest import mock
 
@@ -31,7 +30,7 @@ H.cpu_quant_ops()
 
 from vllm.compilation.passes.vllm_inductor_pass import VllmPatternMatcherPass  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
-from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm  # noqa: E402
+from vllm.model_executor.layers.layernorm import RMSNorm  # noqa: E402
 from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8  # noqa: E402
 from vllm.model_executor.layers.quantization.utils import fp8_utils  # noqa: E402
 from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape  # noqa: E402
@@ -82,9 +81,7 @@ def setup(root, spec, custom_quant: bool = True):
     extra = {"passes": {"fuse_norm_quant": False, "fuse_act_quant": False}}
     if custom_quant:
         extra["custom_ops"] = ["+quant_fp8"]
-    config = H.vllm_config(root, spec, DTYPE, **extra)
-    H.ensure_distributed(config)
-    return config
+    return H.distributed_config(root, spec, DTYPE, **extra)
 
 
 def group_quant(**kw) -> QuantFP8:
@@ -92,15 +89,7 @@ def group_quant(**kw) -> QuantFP8:
 
 
 def init_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    for m in module.modules():
-        if isinstance(m, GemmaRMSNorm):
-            m.weight.data = torch.randn(m.weight.shape, generator=g) * 0.1
-        elif isinstance(m, RMSNorm):
-            m.weight.data = 1.0 + torch.randn(m.weight.shape, generator=g) * 0.1
-    for name, p in module.named_parameters():
-        if name.split(".")[-1] == "gate":
-            p.data = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
+    H.init_norms(module, torch.Generator().manual_seed(seed))
     return module.to(DTYPE).requires_grad_(False)
 
 
@@ -127,17 +116,6 @@ def before_permutes(graph) -> int:
     return sum(1 for x in graph.nodes if H.op_name(x) == "aten::permute")
 
 
-def fp8_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many e4m3 steps apart two FP8 tensors are, element by element."""
-
-    def ordinal(x):
-        u = x.contiguous().view(torch.uint8).to(torch.int32)
-        mag = u & 0x7F
-        return torch.where(u >= 0x80, -mag, mag)
-
-    return (ordinal(a) - ordinal(b)).abs()
-
-
 def assert_outputs_match(got, want):
     """Every element: FP8 codes within one e4m3 step of the unfused graph's, nearly all the
     same; float32 scales (same shape and strides) within SCALE_RTOL; bf16 residuals within
@@ -149,11 +127,8 @@ def assert_outputs_match(got, want):
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride()
         if w.dtype == FP8:
-            steps = fp8_steps(g, w)
-            codes += steps.numel()
-            off += int((steps != 0).sum())
-            assert int(steps.max()) <= 1, f"FP8 codes {int(steps.max())} steps apart"
-            assert (steps == 0).float().mean().item() >= 0.9, "FP8 codes mostly differ"
+            codes += w.numel()
+            off += H.assert_fp8_codes_close(g, w)
         elif w.dtype == torch.float32:
             torch.testing.assert_close(g, w, rtol=SCALE_RTOL, atol=0)
         else:
@@ -171,103 +146,43 @@ def compile_(module, args, config, fusion):
     return got
 
 
-def spec_():
-    """The every-pattern model with a power-of-two routed scale (see test_fusion_fp8.fp8_spec:
-    residual_out then is the same in both graphs, and the codes show the quant fold alone)."""
-    return dataclasses.replace(H.zoo_spec(), routed_scaling=4.0)
-
-
 def inputs(spec, n, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(T, spec.hidden, generator=g).to(DTYPE) for _ in range(n)]
-    rs = [torch.randn(T, spec.hidden, generator=g).to(DTYPE) for _ in range(n)]
+    xs, rs = H.chain_inputs(spec, n, T, DTYPE, seed)
     return xs + rs
 
 
 # ---- every pattern, followed by the group quant ---------------------------------------------------
 
 
-class Chains(torch.nn.Module):
-    """Every pattern of the pass, each on inputs of its own, its norm output quantized per token
-    and group of 128 as an FP8-block linear layer does (input viewed as [-1, H]), with the
-    scales row-major (even chains) or column-major (odd chains: DeepGEMM / CUTLASS):
-
-        all_reduce -> rms_norm, with and without the all-reduce output used;
-        all_reduce -> fused_add_rms_norm, with and without the residual output used;
-        the four MoE tails -> fused_add_rms_norm, and one without its residual output used."""
-
-    KINDS = ("scaled_shared", "shared_scaled", "shared", "scaled")
-    N = 9
+class Chains(H.QuantChains):
+    """H.QuantChains, each norm output quantized per token and group of 128 as an FP8-block
+    linear layer does (input viewed as [-1, H]), with the scales row-major (even chains) or
+    column-major (odd chains: DeepGEMM / CUTLASS)."""
 
     def __init__(self, spec, eps, gemma):
-        super().__init__()
-        norm = GemmaRMSNorm if gemma else RMSNorm
-        h = spec.hidden
-        self.norms = torch.nn.ModuleList(norm(h, eps=eps) for _ in range(self.N))
+        super().__init__(spec, eps, gemma)
         self.quants = torch.nn.ModuleList(
             group_quant(column_major_scales=i % 2 == 1) for i in range(self.N))
-        self.gate = torch.nn.Parameter(torch.empty(spec.n_experts, h))
-        self.rsf = spec.routed_scaling
-        self.shared = H.layer_name("zoo.shared")
-        self.routed = H.layer_name("zoo.routed")
-
-    def tail(self, y, kind):
-        name = self.routed if kind == "scaled" else self.shared
-        return H.moe_tail(
-            y, self.gate, name, shared=kind != "scaled",
-            routed_scaling=1.0 if kind == "shared" else self.rsf,
-            form="shared_scaled" if kind == "shared_scaled" else "runner",
-        )
 
     def q(self, i, x):
         return list(self.quants[i](x.view(-1, x.shape[-1])))  # [codes, scales]
 
     def forward(self, *args):
-        xs, rs = args[: self.N], args[self.N :]
-        out = []
-        y = H.all_reduce(xs[0])
-        out += self.q(0, self.norms[0](y)) + [y]
-        out += self.q(1, self.norms[1](H.all_reduce(xs[1])))
-        n, res = self.norms[2](H.all_reduce(xs[2]), rs[2])
-        out += self.q(2, n) + [res]
-        n, _ = self.norms[3](H.all_reduce(xs[3]), rs[3])
-        out += self.q(3, n)
-        for i, kind in enumerate(self.KINDS, start=4):
-            n, res = self.norms[i](self.tail(xs[i], kind), rs[i])
-            out += self.q(i, n) + [res]
-        n, _ = self.norms[8](self.tail(xs[8], "scaled_shared"), rs[8])
-        out += self.q(8, n)
-        return tuple(out)
+        return self.chains(args[: self.N], args[self.N :])
 
 
 @pytest.mark.parametrize("gemma,eps", [(False, 1e-6), (True, 1e-5)], ids=["rmsnorm", "gemma"])
 def test_every_pattern_takes_the_group_quant(root, comms, gemma, eps):
-    spec = spec_()
+    spec = H.zoo_spec_pow2()
     config = setup(root, spec)
-    with set_current_vllm_config(config):
-        H.moe_runner(config, "zoo.shared", spec, DTYPE, shared=True)
-        H.moe_runner(config, "zoo.routed", spec, DTYPE, shared=False)
-        module = init_(Chains(spec, eps, gemma), seed=int(eps * 1e7) + gemma)
-        fusion = ArfuseAllReduceFusionPass(config, comms(spec))
-    assert not fusion.disabled, fusion.reason
-    if not fusion.fp8_group128:
-        pytest.skip("the arfuse library under test has no fp8_group128 kernel for bf16")
     n = Chains.N
-    args = inputs(spec, n)
-    want = H.run_eager(module, args, config)
-    got = compile_(module, args, config, fusion)
+    fusion, want, got = H.compile_every_pattern(
+        config, spec, DTYPE, lambda: init_(Chains(spec, eps, gemma), seed=int(eps * 1e7) + gemma),
+        comms(spec), ("fp8_group128", "fp8_group128"), inputs(spec, n), compile_)
     before, after = got.before, got.after
-    assert any(
-        isinstance(d, torch.SymInt)
-        for p in before.nodes
-        if p.op == "placeholder" and isinstance(p.meta.get("val"), torch.Tensor)
-        for d in p.meta["val"].shape
-    ), "the token count was not symbolic"
 
     assert len(quant_nodes(before)) == n
     assert quant_nodes(after) == [], "a group quant was left in the graph"
-    assert H.count(after, "vllm::all_reduce") == 0
-    assert H.count(after, "vllm_ir::rms_norm") + H.count(after, "vllm_ir::fused_add_rms_norm") == 0
     assert H.count(after, "arfuse::fused") == 0
     # One fused_fp8_dynamic call per chain, each with the scale layout its quant asked for.
     assert Counter(dynamic_calls(after)) == Counter(
@@ -286,7 +201,7 @@ def test_codes_and_scales_are_vllms_formula_on_the_float32_norm(root, comms):
     """The fused call's codes and scales equal, bit for bit and in vLLM's layout, what vLLM's
     per-token-group quant (its CUDA kernel's formula: the stand-in) computes from the float32
     norm (arfuse.reference): the fold changes the quant's input precision, nothing else."""
-    spec = spec_()
+    spec = H.zoo_spec_pow2()
     config = setup(root, spec)
     with set_current_vllm_config(config):
         module = init_(OneChain(spec, "fold_col"))
@@ -351,13 +266,10 @@ def test_other_quants_stay_as_built(root, comms, variant):
     built it: UE8M0 scales, TMA-aligned scales, QuantFP8's native group quant (custom op off: its
     scale floor differs from the kernel's eps), a norm output read elsewhere too, a quant of the
     residual."""
-    spec = spec_()
+    spec = H.zoo_spec_pow2()
     config = setup(root, spec, custom_quant=variant != "native")
-    with set_current_vllm_config(config):
-        module = init_(OneChain(spec, variant))
-        fusion = ArfuseAllReduceFusionPass(config, comms(spec))
-    if not fusion.fp8_group128:
-        pytest.skip("the arfuse library under test has no fp8_group128 kernel for bf16")
+    module, fusion = H.module_and_pass(config, lambda: init_(OneChain(spec, variant)),
+                                       comms(spec), ("fp8_group128", "fp8_group128"))
     args = inputs(spec, 1)
     want = H.run_eager(module, args, config)
     got = compile_(module, args, config, fusion)
@@ -380,20 +292,11 @@ def test_other_quants_stay_as_built(root, comms, variant):
 def test_fp8_off_leaves_the_group_quant(root, comms, monkeypatch):
     """ARFUSE_VLLM_FP8=0, or no fp8_group128 kernel for the model: the quant stays; the uuid
     says which."""
-    from arfuse.vllm import communicators
-
-    spec = spec_()
+    spec = H.zoo_spec_pow2()
     config = setup(root, spec)
-    comm = comms(spec)
-    with set_current_vllm_config(config):
-        module = init_(OneChain(spec, "fold_row"))
-        with_fp8 = ArfuseAllReduceFusionPass(config, comm)
-        monkeypatch.setattr(communicators, "fp8_supported",
-                            lambda *a: len(a) < 5 or a[4] != "fp8_group128")
-        no_kernel = ArfuseAllReduceFusionPass(config, comm)
-        monkeypatch.undo()
-        monkeypatch.setenv("ARFUSE_VLLM_FP8", "0")
-        switched_off = ArfuseAllReduceFusionPass(config, comm)
+    module, with_fp8, no_kernel, switched_off = H.passes_without_fp8(
+        config, lambda: init_(OneChain(spec, "fold_row")), comms(spec), monkeypatch,
+        lambda *a: len(a) < 5 or a[4] != "fp8_group128")
     if not with_fp8.fp8_group128:
         pytest.skip("the arfuse library under test has no fp8_group128 kernel for bf16")
     assert not no_kernel.fp8_group128 and not switched_off.fp8_group128

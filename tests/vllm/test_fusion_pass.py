@@ -39,23 +39,18 @@ T = 7  # tokens in the test batches
 
 
 def setup(root, spec, dtype):
-    config = H.vllm_config(root, spec, dtype)
-    H.ensure_distributed(config)
-    return config
+    return H.distributed_config(root, spec, dtype)
 
 
 def init_(module: torch.nn.Module, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """Random weights; norm weights near their identity (1 for RMSNorm, 0 for Gemma's)."""
     g = torch.Generator().manual_seed(seed)
+    H.init_norms(module, g, gates=False)
     for m in module.modules():
-        if isinstance(m, GemmaRMSNorm):
-            m.weight.data = torch.randn(m.weight.shape, generator=g) * 0.1
-        elif isinstance(m, RMSNorm):
-            m.weight.data = 1.0 + torch.randn(m.weight.shape, generator=g) * 0.1
-        elif isinstance(m, torch.nn.Linear):
+        if isinstance(m, torch.nn.Linear):
             m.weight.data = torch.randn(m.weight.shape, generator=g) * m.weight.shape[1] ** -0.5
-        for name, p in m.named_parameters(recurse=False):
-            if not isinstance(m, (RMSNorm, GemmaRMSNorm, torch.nn.Linear)):
+        elif not isinstance(m, (RMSNorm, GemmaRMSNorm)):
+            for p in m.parameters(recurse=False):
                 p.data = torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5
     return module.to(dtype).requires_grad_(False)
 
@@ -141,12 +136,10 @@ def test_every_pattern_replaced_and_nothing_else(root, comms, eps, gemma):
     spec = H.zoo_spec()
     dtype = torch.float32  # exact enough to hold the fused result to the unfused one tightly
     config = setup(root, spec, dtype)
-    with set_current_vllm_config(config):
-        H.moe_runner(config, "zoo.shared", spec, dtype, shared=True)
-        H.moe_runner(config, "zoo.routed", spec, dtype, shared=False)
-        module = init_(Zoo(config, spec, eps, gemma), dtype, seed=int(eps * 1e7) + gemma)
-        fusion = ArfuseAllReduceFusionPass(config, comms(spec, dtype))
-    assert not fusion.disabled, fusion.reason
+    module, fusion = H.zoo_module_and_pass(
+        config, spec, dtype,
+        lambda: init_(Zoo(config, spec, eps, gemma), dtype, seed=int(eps * 1e7) + gemma),
+        comms(spec, dtype))
     g = torch.Generator().manual_seed(1)
     args = [torch.randn(T, spec.hidden, generator=g, dtype=dtype) for _ in range(9)]
 
@@ -157,9 +150,7 @@ def test_every_pattern_replaced_and_nothing_else(root, comms, eps, gemma):
     # Traced as vLLM traces (dynamic=False, token dimension marked dynamic): T is a symbol, and
     # arfuse.fused traces with it symbolic (arfuse/_fake.py), which the pass checks before it
     # replaces anything (symbolic_tokens_supported).
-    assert any(isinstance(d, torch.SymInt) for n in before.nodes
-               if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
-               for d in n.meta["val"].shape), "the token count was not symbolic"
+    H.assert_tokens_symbolic(before)
     assert symbolic_tokens_supported(fusion.handle, spec.hidden, dtype)
     assert (H.count(before, AR), H.count(before, RMS), H.count(before, ADD_RMS)) == (15, 5, 10)
     assert (H.count(after, AR), H.count(after, RMS), H.count(after, ADD_RMS)) == (0, 0, 0)

@@ -31,7 +31,7 @@ H.require_arfuse()
 
 PROBE = Path(__file__).with_name("rows_probe.py")
 REPO = Path(__file__).resolve().parents[2]
-RSF = {"qwen3-moe": 1.0, "deepseek-v3": 2.5, "mixtral": 1.0}
+RSF = {"qwen3-moe": 1.0, "deepseek-v3": 2.5, "mixtral": 1.0, "deepseek-v3-fp8": 2.5}
 
 
 def probe(tmp_path: Path, case: str, mode: str) -> dict:
@@ -49,11 +49,24 @@ def probe(tmp_path: Path, case: str, mode: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("case", ["qwen3-moe", "deepseek-v3", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen3-moe", "deepseek-v3", "mixtral", "deepseek-v3-fp8"])
 def test_triton_experts_hand_their_rows_to_arfuse(tmp_path, case):
+    """deepseek-v3-fp8: DeepSeek-V3's FP8-block experts (vLLM's Fp8MoEMethod, 128x128 FP8 weight
+    blocks with float32 scales, activations quantized per token and group of 128 by vLLM's
+    prepare step and silu_and_mul_per_block_quant, TritonExperts with use_fp8_w8a8), the rest of
+    the model unquantized (vLLM's FP8-block linear layers have no CPU kernel)."""
     got = probe(tmp_path, case, "triton")
     seed = got["seed"]
+    fp8 = case.endswith("-fp8")
     assert got["setup"]["bf16_dot"] and got["setup"]["rne_casts"]
+    assert got["experts"] == ["TritonExperts"]
+    assert got["quant_methods"] == (["Fp8MoEMethod"] if fp8 else ["UnquantizedFusedMoEMethod"])
+    assert got["w13_dtype"] == (["torch.float8_e4m3fn"] if fp8 else ["torch.bfloat16"])
+    if fp8:  # vLLM's own path ran the FP8 activation quant (GEMM2's input) in both layers
+        assert got["ref_calls"].get("silu_and_mul_per_block_quant") == 2 * 2, got["ref_calls"]
+    # Uncompiled, the switched model (rows op, then rows.sum(1)) computes exactly what vLLM's
+    # own path (moe_sum inside vLLM's op) does: every element equal.
+    assert got["eager_max_abs"] == [0.0] * 2, (seed, got["eager_max_abs"])
     # Every MoE layer switched, none kept.
     assert got["layers"] == 2 and len(got["switched"]) == 2 and got["kept"] == {}, got["kept"]
     assert got["entries_unchanged"] == []
@@ -64,7 +77,7 @@ def test_triton_experts_hand_their_rows_to_arfuse(tmp_path, case):
     # weights already in them (expert_weights None), the routed scale and the shared output in.
     dense = [c for c in got["calls"] if c["dims"] == 3]
     assert len(dense) == 2, got["calls"]
-    shared = case == "deepseek-v3"
+    shared = case.startswith("deepseek-v3")
     for c in dense:
         assert c["k"] == 2 and c["weights"] == "None" and c["scale"] == RSF[case]
         if shared:
@@ -83,11 +96,14 @@ def test_triton_experts_hand_their_rows_to_arfuse(tmp_path, case):
         assert left.get(op, 0) == 0, (op, left)
     rows_op = "arfuse_vllm::moe_forward_shared_rows" if shared else "arfuse_vllm::moe_forward_rows"
     assert left.get(rows_op) == 2
-    # The same model, switched and compiled with arfuse, against vLLM's own path: every element
-    # within |d| <= 2^-6 + 2^-5 |ref| (bf16; arfuse sums the rows, scales and adds in float32 and
-    # rounds once, vLLM rounds after each step).
+    # The same model, switched and compiled with arfuse, against vLLM's own path, uncompiled:
+    # every element within |d| <= 2^-6 + 2^-5 |ref| (bf16; arfuse sums the rows, scales and adds
+    # in float32 and rounds once, vLLM rounds after each step). FP8-block experts: within
+    # |d| <= 2^-4 + 2^-4 |ref|: the compiled model's MoE input differs from the uncompiled one's
+    # by bf16 roundings (arfuse's fused norms), and the experts quantize it to FP8 (3 mantissa
+    # bits), where one bf16 step can move a value to the next FP8 step (2^-3 relative).
     for e in got["errors"]:
-        assert e["finite"] and e["within"] <= 1.0, (seed, e)
+        assert e["finite"] and e["within_fp8" if fp8 else "within"] <= 1.0, (seed, e)
 
 
 def test_ineligible_experts_are_left_as_vllm_built_them(tmp_path):
@@ -107,3 +123,55 @@ def test_ineligible_experts_are_left_as_vllm_built_them(tmp_path):
     assert all(c["dims"] == 2 for c in got["calls"])
     for e in got["errors"]:
         assert e["finite"] and e["within"] <= 1.0, (got["seed"], e)
+
+
+@pytest.mark.parametrize("case", ["qwen3-moe", "deepseek-v3", "mixtral-wide"])
+def test_switched_layer_peak_memory(tmp_path, case):
+    """Peak of live tensor bytes while the first MoE block of the model runs once, eager on the
+    CPU, switched vs vLLM's own (same weights, same input; T = 24, 9, 1), counted exactly by
+    live_bytes.LiveBytes: every storage an op creates, from its creation to its release, vLLM's
+    shared workspace excluded (grown by a first call, as vLLM's profile run grows it), Triton
+    kernels allocating nothing (as on the GPU). The GPU's peak is not measured.
+
+    From the code (b = 2 bytes, bf16; K top-k; N the w13 rows per rank; H hidden):
+
+    * the two layers allocate the same tensors (op by op, shape and dtype) except that vLLM's
+      [T, H] MoE output (FusedMoEKernelModularImpl.apply's empty_like) is gone and two come in:
+      the fresh workspace2, W = T*K*max(N, H)*b bytes (its first T*K*H elements are the rows),
+      and the top-k sum's [T, H] (rows.sum(dim=1), in the graph after the rows op);
+    * vLLM's peak is at its all-reduce (the MoE output and the all-reduce's output live; with
+      shared experts also the shared output and shared + rsf * routed); the switched layer's at
+      its top-k sum (workspace2 and the sum live): the difference is
+      max(0, W - T*H*b) without shared experts, max(0, W - 2*T*H*b) with them.
+
+    Here H = 256, K = 2: Qwen3-MoE (N = 128): W - T*H*b = T*512 B (12288 B at T = 24);
+    DeepSeek-V3 (N = 128, shared experts): 0 B; Mixtral with an intermediate size of 768
+    (N = 768 > H, as Mixtral-8x7B at TP < 7): W - T*H*b = T*2560 B (61440 B at T = 24)."""
+    from collections import Counter
+
+    got = probe(tmp_path, case, "memory")
+    assert got["switched"] and got["kept"] == {}, got["kept"]
+    m = got["memory"]
+    K, N, H, b = m["K"], m["N"], m["H"], m["itemsize"]
+    assert (K, H) == (2, 256) and N == {"qwen3-moe": 128, "deepseek-v3": 128,
+                                        "mixtral-wide": 768}[case]
+    shared = case == "deepseek-v3"
+    for r in m["runs"]:
+        T = r["T"]
+        W = T * K * max(N, H) * b
+        # The same output, every element (eager: moe_sum and rows.sum(1) round once each).
+        assert r["max_abs"] == 0.0, r
+        # The allocations, as (op, bytes, shape, dtype), differ by exactly these three.
+        vllm_allocs = Counter((a[0], a[1], tuple(a[2]), a[3]) for a in r["vllm_allocated"])
+        sw_allocs = Counter((a[0], a[1], tuple(a[2]), a[3]) for a in r["switched_allocated"])
+        assert sw_allocs - vllm_allocs == Counter([
+            ("aten::empty.memory_format", W, (T, K, max(N, H)), "torch.bfloat16"),
+            ("aten::sum.dim_IntList", T * H * b, (T, H), "torch.bfloat16")]), T
+        ((op, *gone), n), = (vllm_allocs - sw_allocs).items()  # 0.26 empty_like, 0.34 new_empty
+        assert n == 1 and op in ("aten::empty_like", "aten::new_empty") and \
+            gone == [T * H * b, (T, H), "torch.bfloat16"], (T, op, gone)
+        # workspace2 is live at the switched layer's peak.
+        assert [W, [T, K, max(N, H)], "torch.bfloat16"] in [a[1:] for a in r["switched_at_peak"]]
+        expected = max(0, W - (2 if shared else 1) * T * H * b)
+        assert r["switched_peak"] - r["vllm_peak"] == expected, (T, r["switched_peak"],
+                                                                 r["vllm_peak"], expected)
