@@ -6,7 +6,7 @@ One emulated group (N ranks on one GPU), CUDA-graph replay, bf16, and one rung a
 adding one thing to the one before:
 
     empty       one empty kernel per rank (what a graph node of N concurrent kernels costs)
-    floor       arfuse/bench/floor.cu: push, poll, sum, residual add, RMSNorm and nothing else
+    floor       csrc/bench/floor.cu: push, poll, sum, residual add, RMSNorm and nothing else
                 (no finalize, no epoch or completion step, no grid cap, no timeout)
     plain       arfuse on a reduced [T, H] input: its all-reduce + RMSNorm alone
     dense       + the finalize of dense [T, K, H] rows with float32 router weights
@@ -84,9 +84,14 @@ def _cudart_dir() -> str | None:
 
 def compile_floor(world: int, build_dir: Path) -> Path:
     """floor.cu for world size N as a shared object (cached by the source's mtime)."""
-    src = Path(__file__).with_name("floor.cu")
+    csrc = Path(__file__).resolve().parents[2] / "csrc"
+    src = csrc / "bench" / "floor.cu"
+    if not src.exists():
+        raise RuntimeError(f"{src} not found: the ladder's floor kernel builds from a checkout "
+                           "of the repository (it includes csrc/arfuse/device.cuh)")
     out = build_dir / f"floor_w{world}.so"
-    if out.exists() and out.stat().st_mtime >= src.stat().st_mtime:
+    deps = [src, csrc / "arfuse" / "device.cuh"]
+    if out.exists() and out.stat().st_mtime >= max(d.stat().st_mtime for d in deps):
         return out
     nvcc = os.environ.get("NVCC") or shutil.which("nvcc") or \
         os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
@@ -95,7 +100,7 @@ def compile_floor(world: int, build_dir: Path) -> Path:
         raise RuntimeError("no libcudart.so found (torch's nvidia package or CUDA_HOME)")
     build_dir.mkdir(parents=True, exist_ok=True)
     cmd = [nvcc, "-std=c++17", "-O3", "-gencode", "arch=compute_90,code=sm_90", "-Xcompiler",
-           "-fPIC", "-shared", "-cudart", "none", f"-DFLOOR_WORLD={world}", str(src),
+           "-fPIC", "-shared", "-cudart", "none", f"-DFLOOR_WORLD={world}", f"-I{csrc}", str(src),
            f"-L{cudart}", "-l:libcudart.so.13", "-o", str(out)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:

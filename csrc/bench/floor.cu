@@ -7,8 +7,9 @@
 // no timeout, no grid cap: one block per token, one 16-byte vector per thread.
 //
 // A benchmark tool, not part of the library: compiled on the GPU machine by the ladder with the
-// nvcc it finds (one shared object per world size), launched through ctypes on the caller's
-// stream (so that CUDA-graph capture records it).
+// nvcc it finds (one shared object per world size) against the kernel's own device helpers
+// (csrc/arfuse/device.cuh: vectors, sentinel, loads and stores), launched through ctypes on the
+// caller's stream (so that CUDA-graph capture records it).
 //
 // Protocol facts it relies on (the same as arfuse's one-shot, docs/design.md): a pushed value is
 // never the sentinel (-0.0 in every bf16 lane; pushes are canonicalised to +0.0), every slot is
@@ -17,75 +18,27 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "arfuse/device.cuh"  // the kernel's own vector, sentinel, load and store helpers
+
 #ifndef FLOOR_WORLD
 #error "compile with -DFLOOR_WORLD=N"
 #endif
 
 namespace {
 
+using arfuse::canonical;
+using arfuse::has_sentinel;
+using arfuse::ld_poll;
+using arfuse::ld_stream;
+using arfuse::pack;
+using arfuse::sentinel_vec;
+using arfuse::sentinel_word;
+using arfuse::st_push;
+using arfuse::st_vec;
+using arfuse::unpack;
+using T = __nv_bfloat16;
+
 constexpr int kWorld = FLOOR_WORLD;
-
-__device__ __forceinline__ float bf16_to_float(uint32_t bits16) {
-  return __uint_as_float(bits16 << 16);
-}
-
-// float -> bf16, round to nearest even; NaN stays a (quiet) NaN.
-__device__ __forceinline__ uint32_t float_to_bf16(float f) {
-  uint32_t u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return u >> 16;
-}
-
-__device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = bf16_to_float(w[i] & 0xffffu);
-    f[2 * i + 1] = bf16_to_float(w[i] >> 16);
-  }
-}
-
-__device__ __forceinline__ uint4 pack(const float (&f)[8]) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = float_to_bf16(f[2 * i]) | (float_to_bf16(f[2 * i + 1]) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-__device__ __forceinline__ uint32_t canonical_word(uint32_t w) {
-  if ((w & 0xffffu) == 0x8000u) w &= 0xffff0000u;
-  if ((w >> 16) == 0x8000u) w &= 0x0000ffffu;
-  return w;
-}
-
-__device__ __forceinline__ bool has_sentinel(const uint4& v) {
-  auto word = [](uint32_t w) { return ((w & 0xffffu) == 0x8000u) | ((w >> 16) == 0x8000u); };
-  return word(v.x) | word(v.y) | word(v.z) | word(v.w);
-}
-
-__device__ __forceinline__ uint4 ld_nc(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint4 ld_poll(const void* p) {
-  uint4 v;
-  asm volatile("ld.relaxed.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_push(void* p, const uint4& v) {
-  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %2, %3, %4};"
-               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
-}
-
-__device__ __forceinline__ void st_plain(void* p, const uint4& v) {
-  *reinterpret_cast<uint4*>(p) = v;
-}
 
 struct FloorArgs {
   const uint16_t* x;          // [T, H] this rank's partial
@@ -113,17 +66,16 @@ __global__ void __launch_bounds__(1024) floor_oneshot(const __grid_constant__ Fl
   // Every input load issued first: the row, the residual, gamma.
   uint4 xv = make_uint4(0, 0, 0, 0), rv = xv, gv = xv;
   if (active) {
-    xv = ld_nc(a.x + t * H + elem);
-    rv = ld_nc(a.residual + t * H + elem);
-    gv = ld_nc(a.gamma + elem);
+    xv = ld_stream(a.x + t * H + elem);
+    rv = ld_stream(a.residual + t * H + elem);
+    gv = ld_stream(a.gamma + elem);
   }
   const int64_t slot_off = static_cast<int64_t>(a.slot) * a.slot_elems;
   float s[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) s[j] = 0.0f;
   if (active) {
-    const uint4 out = make_uint4(canonical_word(xv.x), canonical_word(xv.y),
-                                 canonical_word(xv.z), canonical_word(xv.w));
+    const uint4 out = canonical<T>(xv);
     const int64_t off = slot_off + (static_cast<int64_t>(t) * kWorld + a.rank) * H + elem;
 #pragma unroll
     for (int q = 0; q < kWorld; ++q) st_push(a.buffers[q] + off, out);
@@ -132,28 +84,28 @@ __global__ void __launch_bounds__(1024) floor_oneshot(const __grid_constant__ Fl
     uint4 in[kWorld];
 #pragma unroll
     for (int q = 0; q < kWorld; ++q) in[q] = ld_poll(own + q * H);
-    const uint4 sentinel = make_uint4(0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u);
+    const uint4 sentinel = sentinel_vec(sentinel_word<T>());
 #pragma unroll
     for (int q = 0; q < kWorld; ++q) {
-      while (has_sentinel(in[q])) in[q] = ld_poll(own + q * H);
-      st_plain(own + q * H, sentinel);
+      while (has_sentinel<T>(in[q])) in[q] = ld_poll(own + q * H);
+      st_vec(own + q * H, sentinel);
       float f[8];
-      unpack(in[q], f);
+      unpack<T>(in[q], f);
 #pragma unroll
       for (int j = 0; j < 8; ++j) s[j] += f[j];
     }
   }
   // residual_out = round(sum + residual); the norm reads the rounded value.
   float r[8], g[8];
-  unpack(rv, r);
-  unpack(gv, g);
+  unpack<T>(rv, r);
+  unpack<T>(gv, g);
 #pragma unroll
   for (int j = 0; j < 8; ++j) s[j] += r[j];
-  const uint4 ro = pack(s);
+  const uint4 ro = pack<T>(s);
   float ss = 0.0f;
   if (active) {
-    st_plain(a.residual_out + t * H + elem, ro);
-    unpack(ro, s);
+    st_vec(a.residual_out + t * H + elem, ro);
+    unpack<T>(ro, s);
 #pragma unroll
     for (int j = 0; j < 8; ++j) ss = fmaf(s[j], s[j], ss);
   }
@@ -168,7 +120,7 @@ __global__ void __launch_bounds__(1024) floor_oneshot(const __grid_constant__ Fl
   if (active) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) s[j] = (s[j] * inv) * g[j];
-    st_plain(a.norm_out + t * H + elem, pack(s));
+    st_vec(a.norm_out + t * H + elem, pack<T>(s));
   }
 }
 
