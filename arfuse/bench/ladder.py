@@ -67,6 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv=None):
+    """(namespace, token counts); a bad argument exits 2 naming it (argparse's error)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    ns.rung_list = [r.strip() for r in ns.rungs.split(",") if r.strip()]
+    bad = [r for r in ns.rung_list if r not in RUNGS]
+    if bad or not ns.rung_list:
+        parser.error(f"--rungs: unknown {', '.join(bad) or '(empty)'}; choose from "
+                     f"{', '.join(RUNGS)}")
+    if ns.replays < 50:
+        parser.error(f"--replays must be >= 50, got {ns.replays}")
+    if not 1 <= ns.world_size <= cli.MAX_WORLD:
+        parser.error(f"--world-size must be in 1..{cli.MAX_WORLD}, got {ns.world_size}")
+    try:
+        tokens = cli.parse_tokens(ns.tokens)
+        cli.lookup_model(ns.model, cli.load_models())
+    except cli.BenchError as e:
+        parser.error(str(e))
+    return ns, tokens
+
+
 # ---------------------------------------------------------------- the floor kernel
 
 def _cudart_dir() -> str | None:
@@ -184,10 +205,7 @@ def _impls(floor: FloorLib):
 # ---------------------------------------------------------------- the run
 
 def run_ladder(ns) -> dict:
-    rungs = [r.strip() for r in ns.rungs.split(",") if r.strip()]
-    bad = [r for r in rungs if r not in RUNGS]
-    if bad:
-        raise SystemExit(f"--rungs: unknown {', '.join(bad)}; choose from {', '.join(RUNGS)}")
+    rungs = ns.rung_list
     from . import gpu
 
     factories = {}
@@ -241,9 +259,8 @@ def markdown(ns, lad: dict, tokens: list[int]) -> str:
 
 
 def main(argv=None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns, tokens = parse_args(argv)
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
-    tokens = cli.parse_tokens(ns.tokens)
     lad = run_ladder(ns)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
