@@ -266,7 +266,7 @@ def input_set_bytes(layout: str, T: int, H: int, K: int, elem: int, *, weight_el
 
 
 def num_input_sets(set_bytes: int, l2_bytes: int, *, factor: float = 4.0, min_sets: int = 2,
-                   max_sets: int = 2048) -> int:
+                   max_sets: int = 16384) -> int:
     """Distinct input sets so that together they exceed ``factor`` x L2 (at least ``min_sets``
     so that consecutive calls differ, at most ``max_sets``)."""
     if set_bytes <= 0:
