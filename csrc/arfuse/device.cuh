@@ -190,6 +190,67 @@ __device__ __forceinline__ void st_push(void* p, const uint4& v) {
                : "memory");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Cluster exchange without a memory fence (row_reduce, kernel.cuh). cooperative_groups'
+// cluster.sync() is barrier.cluster.arrive.release + wait: the release compiles to MEMBAR.ALL.GPU,
+// which waits until every store the thread issued before it (pushes, sentinel resets,
+// residual_out) is acknowledged. A value is sent instead with st.async into each peer's shared
+// memory, completing bytes on the peer's mbarrier (no fence), and the receiver waits on its own
+// mbarrier. The barrier.cluster below is used once per call, at the start, with nothing issued.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// The address of the same shared variable in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t cluster_peer_addr(uint32_t local, int rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(local), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+// Makes the initialisations above visible to the cluster's other CTAs (with the barrier below).
+__device__ __forceinline__ void fence_mbarrier_init_cluster() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Every thread of every CTA of the cluster; no memory ordering (nothing is issued before it).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+}
+// This CTA's one arrival on bar for the current phase, expecting `bytes` from st.async.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// Writes v into the cluster shared address dst and completes 4 bytes on the mbarrier at bar (a
+// cluster shared address of the same CTA as dst).
+__device__ __forceinline__ void st_async_f32(uint32_t dst, float v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [%0], %1, [%2];" ::"r"(
+                   dst),
+               "r"(__float_as_uint(v)), "r"(bar)
+               : "memory");
+}
+// Waits until the phase of bar with the given parity has completed (acquire at cluster scope:
+// the peers' st.async data is visible afterwards).
+__device__ __forceinline__ void mbarrier_wait_parity(uint64_t* bar, uint32_t parity) {
+  const uint32_t a = smem_addr(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], "
+        "%2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(a), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -25,8 +25,6 @@
 // buffer slots rotate with a per-rank epoch so that no barrier is needed between calls either.
 #pragma once
 
-#include <cooperative_groups.h>
-
 #include "arfuse/device.cuh"
 
 namespace arfuse {
@@ -149,35 +147,86 @@ __device__ __forceinline__ float max_nan(float a, float b) { return MaxNanOp{}(a
 // NaN-propagating min (fminf would drop a NaN).
 __device__ __forceinline__ float min_nan(float a, float b) { return (a != a || a < b) ? a : b; }
 
+// Shared memory of the per-token reductions (row_reduce): the warps' partials and, with a
+// cluster, one slot per CTA of the cluster for every token of the block and two mbarriers; all
+// double-buffered (reduction n uses buffer n % 2), so that one __syncthreads per reduction is
+// enough (a warp can only rewrite buffer b in reduction n + 2 after every warp passed reduction
+// n + 1's barrier, i.e. after it read buffer b in reduction n).
+template <class Cfg>
+struct ReduceSmem {
+  float warp[2][Cfg::kTpb][Cfg::kWarpsPerToken];
+  float cta[2][Cfg::kTpb][Cfg::kCluster];
+  alignas(8) uint64_t bar[2];
+};
+
+// One per thread: the shared memory and how many reductions the block has done (the same count
+// in every thread of the block and, since a cluster's CTAs take the same work units, in every CTA
+// of the cluster).
+template <class Cfg>
+struct Reducer {
+  ReduceSmem<Cfg>* s;
+  int uses = 0;
+  // Every thread of the block calls it at the kernel's start. With a cluster, thread 0 sets up
+  // the two mbarriers (one arrival each: its own expect_tx) and every thread arrives on the
+  // cluster barrier; the first reduction waits on it, so no CTA sends into a peer's mbarrier
+  // before the peer initialised it (the arrive is relaxed: nothing was issued before it).
+  __device__ __forceinline__ explicit Reducer(ReduceSmem<Cfg>* smem) : s(smem) {
+    if constexpr (Cfg::kCluster > 1) {
+      if (threadIdx.x == 0) {
+        mbarrier_init(&s->bar[0], 1);
+        mbarrier_init(&s->bar[1], 1);
+        fence_mbarrier_init_cluster();
+      }
+      cluster_arrive_relaxed();
+    }
+  }
+  // At the kernel's end: a block that did no reduction still waits on the cluster barrier it
+  // arrived on (every block does at least one; this keeps the pairing whole regardless).
+  __device__ __forceinline__ void finish() {
+    if constexpr (Cfg::kCluster > 1) {
+      if (uses == 0) cluster_wait();
+    }
+  }
+};
+
 // Reduces one value per thread over the threads of a token (warp shuffles, then the warps in a
 // fixed order, then the CTAs of the cluster in a fixed order): deterministic, so every rank gets
-// bitwise the same value. Every thread of the block (of the cluster) must call it; warp_sums and
-// cluster_sums are free again when it returns.
+// bitwise the same value. Every thread of the block (of the cluster) must call it, the same
+// number of times. With a cluster, each token's first thread sends the CTA's value into every
+// CTA's slot with st.async and every CTA sums its slots once its mbarrier has all of them: no
+// cluster barrier (cooperative_groups' cluster.sync() fenced every outstanding store twice per
+// reduction, see device.cuh).
 template <class Cfg, class Op>
 __device__ __forceinline__ float row_reduce(float partial, const Geometry<Cfg>& geo,
-                                            float (*warp_sums)[Cfg::kWarpsPerToken],
-                                            float* cluster_sums, Op op) {
+                                            Reducer<Cfg>& red, Op op) {
+  const int b = red.uses & 1;                                        // buffer
+  const uint32_t parity = static_cast<uint32_t>(red.uses >> 1) & 1u;  // phase of bar[b]
+  ++red.uses;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) partial = op(partial, __shfl_xor_sync(0xffffffffu, partial, off));
   const int warp = geo.lane / 32;
-  if ((geo.lane & 31) == 0) warp_sums[geo.g][warp] = partial;
+  if ((geo.lane & 31) == 0) red.s->warp[b][geo.g][warp] = partial;
   __syncthreads();
   float total = 0.0f;
   const int warps = (geo.tpt + 31) / 32;
-  for (int w = 0; w < warps; ++w) total = op(total, warp_sums[geo.g][w]);
+  for (int w = 0; w < warps; ++w) total = op(total, red.s->warp[b][geo.g][w]);
   if constexpr (Cfg::kCluster > 1) {
-    namespace cg = cooperative_groups;
-    cg::cluster_group cluster = cg::this_cluster();
-    if (geo.lane == 0) cluster_sums[geo.g] = total;
-    cluster.sync();
+    if (red.uses == 1) cluster_wait();  // the first: every peer's mbarriers are initialised
+    if (threadIdx.x == 0) {
+      mbarrier_arrive_expect_tx(&red.s->bar[b], Cfg::kTpb * Cfg::kCluster * sizeof(float));
+    }
+    if (geo.lane == 0) {
+      const uint32_t slot = smem_addr(&red.s->cta[b][geo.g][geo.cta_in_cluster]);
+      const uint32_t bar = smem_addr(&red.s->bar[b]);
+#pragma unroll
+      for (int c = 0; c < Cfg::kCluster; ++c) {
+        st_async_f32(cluster_peer_addr(slot, c), total, cluster_peer_addr(bar, c));
+      }
+    }
+    mbarrier_wait_parity(&red.s->bar[b], parity);
     total = 0.0f;
 #pragma unroll
-    for (int c = 0; c < Cfg::kCluster; ++c) {
-      total = op(total, *cluster.map_shared_rank(cluster_sums + geo.g, c));
-    }
-    cluster.sync();  // no CTA may reuse or release cluster_sums while a peer still reads it
-  } else {
-    __syncthreads();  // warp_sums is reused by the next reduction
+    for (int c = 0; c < Cfg::kCluster; ++c) total = op(total, red.s->cta[b][geo.g][c]);
   }
   return total;
 }
@@ -185,9 +234,8 @@ __device__ __forceinline__ float row_reduce(float partial, const Geometry<Cfg>& 
 // Sum of squares of one token's row (see row_reduce).
 template <class Cfg>
 __device__ __forceinline__ float row_sum_squares(float partial, const Geometry<Cfg>& geo,
-                                                 float (*warp_sums)[Cfg::kWarpsPerToken],
-                                                 float* cluster_sums) {
-  return row_reduce<Cfg>(partial, geo, warp_sums, cluster_sums, SumOp{});
+                                                 Reducer<Cfg>& red) {
+  return row_reduce<Cfg>(partial, geo, red, SumOp{});
 }
 
 // y = the RMSNorm of one vector of residual_out, in float32: (r * inv) * (gamma + weight_bias).
@@ -216,11 +264,9 @@ namespace arfuse {
 template <class Cfg>
 __device__ __forceinline__ void write_norm(const LaunchParams& p, const Geometry<Cfg>& geo,
                                            int64_t t, const uint4 (&rv)[Cfg::kVpt],
-                                           float sum_squares, bool valid,
-                                           float (*warp_sums)[Cfg::kWarpsPerToken],
-                                           float* cluster_sums) {
+                                           float sum_squares, bool valid, Reducer<Cfg>& red) {
   const float inv = rsqrtf(sum_squares / static_cast<float>(geo.H) + p.eps);
-  Cfg::Out::template write<Cfg>(p, geo, t, rv, inv, valid, warp_sums, cluster_sums);
+  Cfg::Out::template write<Cfg>(p, geo, t, rv, inv, valid, red);
 }
 
 // Sums the N partial vectors at base + n * stride (n in rank order) once every one has arrived,
@@ -261,10 +307,10 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
   constexpr int kVpt = Cfg::kVpt;
   constexpr bool kOneShot = Cfg::kAlgo == Algo::kOneShot;
 
-  __shared__ float warp_sums[Cfg::kTpb][Cfg::kWarpsPerToken];
-  __shared__ float cluster_sums[Cfg::kTpb];
+  __shared__ ReduceSmem<Cfg> reduce_smem;
 
   const Geometry<Cfg> geo(p);
+  Reducer<Cfg> red(&reduce_smem);
   const int64_t H = geo.H;
   const int N = geo.N;
   const int T_ = geo.T;
@@ -434,9 +480,10 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) sq = fmaf(f[j], f[j], sq);
     }
-    const float total = row_sum_squares<Cfg>(sq, geo, warp_sums, cluster_sums);
-    write_norm<Cfg>(p, geo, t, rv, total, valid, warp_sums, cluster_sums);
+    const float total = row_sum_squares<Cfg>(sq, geo, red);
+    write_norm<Cfg>(p, geo, t, rv, total, valid, red);
   }
+  red.finish();
 
   // ---- completion ----
   if constexpr (kOneShot) {

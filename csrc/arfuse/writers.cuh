@@ -6,7 +6,7 @@
 //   kGroup  elements per quantization group whose scale it reduces within one warp (0: none;
 //           KernelConfig and gen/plan.go check that the plan keeps groups within a warp),
 // and
-//   template <class Cfg> static void write(p, geo, t, rv, inv, valid, warp_sums, cluster_sums)
+//   template <class Cfg> static void write(p, geo, t, rv, inv, valid, red)
 // which writes the token's norm_out (and its scales) from rv, the token's residual_out (already
 // rounded and stored), and inv = rsqrt(mean square + eps). Every thread of the block calls it,
 // valid or not, so that a writer may reduce over the token (row_reduce) or a warp; only valid
@@ -81,7 +81,7 @@ struct NormWriter {
   template <class Cfg>
   static __device__ __forceinline__ void write(const LaunchParams& p, const Geometry<Cfg>& geo,
                                                int64_t t, const uint4 (&rv)[Cfg::kVpt], float inv,
-                                               bool valid, float (*)[Cfg::kWarpsPerToken], float*) {
+                                               bool valid, Reducer<Cfg>&) {
     using T = typename Cfg::T;
     if (!valid) return;
     for_each_norm_vec<Cfg>(p, geo, t, rv, inv, [&](int64_t elem, float (&y)[Cfg::kVec]) {
@@ -97,7 +97,7 @@ struct Fp8StaticWriter {
   template <class Cfg>
   static __device__ __forceinline__ void write(const LaunchParams& p, const Geometry<Cfg>& geo,
                                                int64_t t, const uint4 (&rv)[Cfg::kVpt], float inv,
-                                               bool valid, float (*)[Cfg::kWarpsPerToken], float*) {
+                                               bool valid, Reducer<Cfg>&) {
     constexpr int kVec = Cfg::kVec;
     if (!valid) return;
     const float inv_scale = 1.0f / __ldg(p.fp8_scale);
@@ -117,8 +117,7 @@ struct Fp8TokenWriter {
   template <class Cfg>
   static __device__ __forceinline__ void write(const LaunchParams& p, const Geometry<Cfg>& geo,
                                                int64_t t, const uint4 (&rv)[Cfg::kVpt], float inv,
-                                               bool valid, float (*warp_sums)[Cfg::kWarpsPerToken],
-                                               float* cluster_sums) {
+                                               bool valid, Reducer<Cfg>& red) {
     constexpr int kVec = Cfg::kVec;
     // Pass 1: amax over the token (threads, warps, CTAs of the cluster); pass 2 recomputes y
     // (the same operations, so the same values) instead of holding the row in registers.
@@ -129,7 +128,7 @@ struct Fp8TokenWriter {
         for (int j = 0; j < kVec; ++j) amax = max_nan(amax, fabsf(y[j]));
       });
     }
-    amax = row_reduce<Cfg>(amax, geo, warp_sums, cluster_sums, MaxNanOp{});
+    amax = row_reduce<Cfg>(amax, geo, red, MaxNanOp{});
     if (!valid) return;
     const float scale = token_scale(amax, p.scale_ub);
     if (geo.lane == 0 && geo.cta_in_cluster == 0) p.scale_out[t] = scale;
@@ -150,7 +149,7 @@ struct Fp8Group128Writer {
   template <class Cfg>
   static __device__ __forceinline__ void write(const LaunchParams& p, const Geometry<Cfg>& geo,
                                                int64_t t, const uint4 (&rv)[Cfg::kVpt], float inv,
-                                               bool valid, float (*)[Cfg::kWarpsPerToken], float*) {
+                                               bool valid, Reducer<Cfg>&) {
     constexpr int kVec = Cfg::kVec;
     constexpr int kGV = Cfg::kGroupVecs;
     const bool ue8m0 = p.scale_ue8m0 != 0;
