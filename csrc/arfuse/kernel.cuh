@@ -238,18 +238,50 @@ __device__ __forceinline__ float row_sum_squares(float partial, const Geometry<C
   return row_reduce<Cfg>(partial, geo, red, SumOp{});
 }
 
-// y = the RMSNorm of one vector of residual_out, in float32: (r * inv) * (gamma + weight_bias).
-// The one definition of y for every output kind.
+// One token's vectors of this thread: residual_out (rounded, already stored) and, where the
+// one-shot kernel loaded them before its polls (gamma_in_regs: specialised one-shot instances,
+// gamma in the activation dtype), gamma's matching vectors. Loaded after the reduction instead,
+// gamma is one more memory round trip on the critical path of every small-T call (the cluster
+// exchange's acquire invalidates L1, so an L1 prefetch of it does not survive).
 template <class Cfg>
-__device__ __forceinline__ void norm_vec(const LaunchParams& p, const uint4& rv, int v, float inv,
-                                         float (&y)[Cfg::kVec]) {
+struct TokenRow {
+  static constexpr bool kGammaRegs = Cfg::kAlgo == Algo::kOneShot && !Cfg::kGeneric;
+  uint4 rv[Cfg::kVpt];
+  uint4 gamma[kGammaRegs ? Cfg::kVpt : 1];
+  bool gamma_in_regs = false;
+};
+
+// y = the RMSNorm of vector i (element v * kVec) of the row, in float32:
+// (r * inv) * (gamma + weight_bias). The one definition of y for every output kind.
+template <class Cfg>
+__device__ __forceinline__ void norm_vec(const LaunchParams& p, const TokenRow<Cfg>& row, int i,
+                                         int v, float inv, float (&y)[Cfg::kVec]) {
   using T = typename Cfg::T;
   constexpr int kVec = Cfg::kVec;
   float r[kVec], gm[kVec];
-  unpack<T>(rv, r);
-  load_param_vec<T>(p.gamma, p.gamma_f32 != 0, static_cast<int64_t>(v) * kVec, gm);
+  unpack<T>(row.rv[i], r);
+  if (TokenRow<Cfg>::kGammaRegs && row.gamma_in_regs) {
+    unpack<T>(row.gamma[TokenRow<Cfg>::kGammaRegs ? i : 0], gm);
+  } else {
+    load_param_vec<T>(p.gamma, p.gamma_f32 != 0, static_cast<int64_t>(v) * kVec, gm);
+  }
 #pragma unroll
   for (int j = 0; j < kVec; ++j) y[j] = (r[j] * inv) * (gm[j] + p.weight_bias);
+}
+
+// Loads gamma's vector v into row.gamma[i] when gamma is in the activation dtype (else norm_vec
+// loads it itself).
+template <class Cfg>
+__device__ __forceinline__ void load_gamma_regs(const LaunchParams& p, TokenRow<Cfg>& row, int i,
+                                                int v) {
+  using T = typename Cfg::T;
+  if constexpr (TokenRow<Cfg>::kGammaRegs) {
+    row.gamma_in_regs = p.gamma_f32 == 0 || sizeof(T) == 4;
+    if (row.gamma_in_regs) {
+      row.gamma[i] = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.gamma) +
+                                                          static_cast<int64_t>(v) * Cfg::kVec));
+    }
+  }
 }
 
 // The output writers (one struct per output kind, KernelConfig's Out): they use Geometry,
@@ -258,15 +290,15 @@ __device__ __forceinline__ void norm_vec(const LaunchParams& p, const uint4& rv,
 #include "arfuse/writers.cuh"
 namespace arfuse {
 
-// Writes the RMSNorm of one token's residual_out (already rounded and stored, in rv) in the
+// Writes the RMSNorm of one token's residual_out (already rounded and stored, in row.rv) in the
 // output kind of the config (its writer, Cfg::Out). Every thread of the block must call it, valid
 // or not: a writer may reduce over the token or a warp, and only valid threads write.
 template <class Cfg>
 __device__ __forceinline__ void write_norm(const LaunchParams& p, const Geometry<Cfg>& geo,
-                                           int64_t t, const uint4 (&rv)[Cfg::kVpt],
+                                           int64_t t, const TokenRow<Cfg>& row,
                                            float sum_squares, bool valid, Reducer<Cfg>& red) {
   const float inv = rsqrtf(sum_squares / static_cast<float>(geo.H) + p.eps);
-  Cfg::Out::template write<Cfg>(p, geo, t, rv, inv, valid, red);
+  Cfg::Out::template write<Cfg>(p, geo, t, row, inv, valid, red);
 }
 
 // Sums the N partial vectors at base + n * stride (n in rank order) once every one has arrived,
@@ -446,42 +478,54 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
   }
 
   // ---- last phase: residual_out and RMSNorm for every token ----
+  // One-shot, block 0: the arrivals counted so far, read on its last work unit once its polls
+  // are done (by then every block of this rank has long pushed and arrived, so this is usually
+  // all of them) and looked at only at the end: the read's round trip overlaps the reduction and
+  // the norm instead of following them.
+  uint32_t arrivals_seen = 0;
   for (int w = geo.cluster_id; w < units; w += geo.num_clusters) {
     int t_, owner, local;
     const bool valid = unit_token(w, t_, owner, local);
     const int64_t t = t_;
-    uint4 rv[kVpt];
+    TokenRow<Cfg> row;
     float sq = 0.0f;
 #pragma unroll
     for (int i = 0; i < kVpt; ++i) {
-      rv[i] = make_uint4(0, 0, 0, 0);
+      row.rv[i] = make_uint4(0, 0, 0, 0);
+      if constexpr (TokenRow<Cfg>::kGammaRegs) row.gamma[i] = make_uint4(0, 0, 0, 0);
       const int v = geo.vec(i);
       if (!valid || v < 0) continue;
       const int64_t elem = static_cast<int64_t>(v) * kVec;
+      uint4 rv;
       if constexpr (kOneShot) {
         const uint4 res = p.residual != nullptr
                               ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
                               : make_uint4(0, 0, 0, 0);
+        load_gamma_regs<Cfg>(p, row, i, v);
         float s[kVec], r[kVec];
         sum_ranks<Cfg>(p, geo, own + slot_off + t * N * H + elem, H, waiter, s);
         unpack<T>(res, r);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) s[j] += r[j];
-        rv[i] = canonical<T>(pack<T>(s));
+        rv = canonical<T>(pack<T>(s));
       } else {
-        T* const row = own + slot_off + gather_off + t * H + elem;
-        rv[i] = waiter.wait<T>(row, p, owner);
-        st_vec(row, sentinel_vec(sentinel_word<T>()));
+        T* const at = own + slot_off + gather_off + t * H + elem;
+        rv = waiter.wait<T>(at, p, owner);
+        st_vec(at, sentinel_vec(sentinel_word<T>()));
       }
-      if (waiter.gave_up) rv[i] = nan_vec<T>();
-      st_vec(static_cast<T*>(p.residual_out) + t * H + elem, rv[i]);
+      if (waiter.gave_up) rv = nan_vec<T>();
+      row.rv[i] = rv;
+      st_vec(static_cast<T*>(p.residual_out) + t * H + elem, rv);
       float f[kVec];
-      unpack<T>(rv[i], f);
+      unpack<T>(rv, f);
 #pragma unroll
       for (int j = 0; j < kVec; ++j) sq = fmaf(f[j], f[j], sq);
     }
+    if (kOneShot && blockIdx.x == 0 && threadIdx.x == 0 && w + geo.num_clusters >= units) {
+      arrivals_seen = ld_relaxed_gpu(&p.ctrl->arrived);
+    }
     const float total = row_sum_squares<Cfg>(sq, geo, red);
-    write_norm<Cfg>(p, geo, t, rv, total, valid, red);
+    write_norm<Cfg>(p, geo, t, row, total, valid, red);
   }
   red.finish();
 
@@ -492,8 +536,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
     // phase 1 waits for nothing, so they come); no block waits for an atomic's return at its end. The next call reads the new epoch
     // after this kernel has finished (stream order), so no block of this call can see it.
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-      while (ld_relaxed_gpu(&p.ctrl->arrived) < gridDim.x) {
-      }
+      while (arrivals_seen < gridDim.x) arrivals_seen = ld_relaxed_gpu(&p.ctrl->arrived);
       // Read again rather than kept live through the call (registers): nothing else writes it.
       volatile uint32_t* const e = &p.ctrl->epoch;
       *reinterpret_cast<volatile uint32_t*>(&p.ctrl->arrived) = 0;

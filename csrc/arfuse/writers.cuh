@@ -6,10 +6,10 @@
 //   kGroup  elements per quantization group whose scale it reduces within one warp (0: none;
 //           KernelConfig and gen/plan.go check that the plan keeps groups within a warp),
 // and
-//   template <class Cfg> static void write(p, geo, t, rv, inv, valid, red)
-// which writes the token's norm_out (and its scales) from rv, the token's residual_out (already
-// rounded and stored), and inv = rsqrt(mean square + eps). Every thread of the block calls it,
-// valid or not, so that a writer may reduce over the token (row_reduce) or a warp; only valid
+//   template <class Cfg> static void write(p, geo, t, row, inv, valid, red)
+// which writes the token's norm_out (and its scales) from row (TokenRow: the token's residual_out,
+// already rounded and stored, and possibly gamma) and inv = rsqrt(mean square + eps). Every
+// thread of the block calls it, valid or not, so that a writer may reduce over the token (row_reduce) or a warp; only valid
 // threads write. y, the float32 RMSNorm of a vector, is norm_vec's (the one definition of y).
 //
 // Included by kernel.cuh after Geometry, row_reduce and norm_vec, which the writers use; not a
@@ -62,14 +62,14 @@ __device__ __forceinline__ float group_scale(float amax, bool ue8m0) {
 // [T, H], y its RMSNorm in float32 (norm_vec). The loop every writer without a shuffle shares.
 template <class Cfg, class F>
 __device__ __forceinline__ void for_each_norm_vec(const LaunchParams& p, const Geometry<Cfg>& geo,
-                                                  int64_t t, const uint4 (&rv)[Cfg::kVpt],
+                                                  int64_t t, const TokenRow<Cfg>& row,
                                                   float inv, F&& f) {
 #pragma unroll
   for (int i = 0; i < Cfg::kVpt; ++i) {
     const int v = geo.vec(i);
     if (v < 0) continue;
     float y[Cfg::kVec];
-    norm_vec<Cfg>(p, rv[i], v, inv, y);
+    norm_vec<Cfg>(p, row, i, v, inv, y);
     f(t * geo.H + static_cast<int64_t>(v) * Cfg::kVec, y);
   }
 }
@@ -80,11 +80,11 @@ struct NormWriter {
   static constexpr int kGroup = 0;
   template <class Cfg>
   static __device__ __forceinline__ void write(const LaunchParams& p, const Geometry<Cfg>& geo,
-                                               int64_t t, const uint4 (&rv)[Cfg::kVpt], float inv,
+                                               int64_t t, const TokenRow<Cfg>& row, float inv,
                                                bool valid, Reducer<Cfg>&) {
     using T = typename Cfg::T;
     if (!valid) return;
-    for_each_norm_vec<Cfg>(p, geo, t, rv, inv, [&](int64_t elem, float (&y)[Cfg::kVec]) {
+    for_each_norm_vec<Cfg>(p, geo, t, row, inv, [&](int64_t elem, float (&y)[Cfg::kVec]) {
       st_vec(static_cast<T*>(p.norm_out) + elem, pack<T>(y));
     });
   }
@@ -96,12 +96,12 @@ struct Fp8StaticWriter {
   static constexpr int kGroup = 0;
   template <class Cfg>
   static __device__ __forceinline__ void write(const LaunchParams& p, const Geometry<Cfg>& geo,
-                                               int64_t t, const uint4 (&rv)[Cfg::kVpt], float inv,
+                                               int64_t t, const TokenRow<Cfg>& row, float inv,
                                                bool valid, Reducer<Cfg>&) {
     constexpr int kVec = Cfg::kVec;
     if (!valid) return;
     const float inv_scale = 1.0f / __ldg(p.fp8_scale);
-    for_each_norm_vec<Cfg>(p, geo, t, rv, inv, [&](int64_t elem, float (&y)[kVec]) {
+    for_each_norm_vec<Cfg>(p, geo, t, row, inv, [&](int64_t elem, float (&y)[kVec]) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) y[j] *= inv_scale;
       store_fp8<kVec>(static_cast<uint8_t*>(p.norm_out) + elem, y);
@@ -116,14 +116,14 @@ struct Fp8TokenWriter {
   static constexpr int kGroup = 0;
   template <class Cfg>
   static __device__ __forceinline__ void write(const LaunchParams& p, const Geometry<Cfg>& geo,
-                                               int64_t t, const uint4 (&rv)[Cfg::kVpt], float inv,
+                                               int64_t t, const TokenRow<Cfg>& row, float inv,
                                                bool valid, Reducer<Cfg>& red) {
     constexpr int kVec = Cfg::kVec;
     // Pass 1: amax over the token (threads, warps, CTAs of the cluster); pass 2 recomputes y
     // (the same operations, so the same values) instead of holding the row in registers.
     float amax = 0.0f;
     if (valid) {
-      for_each_norm_vec<Cfg>(p, geo, t, rv, inv, [&](int64_t, float (&y)[kVec]) {
+      for_each_norm_vec<Cfg>(p, geo, t, row, inv, [&](int64_t, float (&y)[kVec]) {
 #pragma unroll
         for (int j = 0; j < kVec; ++j) amax = max_nan(amax, fabsf(y[j]));
       });
@@ -132,7 +132,7 @@ struct Fp8TokenWriter {
     if (!valid) return;
     const float scale = token_scale(amax, p.scale_ub);
     if (geo.lane == 0 && geo.cta_in_cluster == 0) p.scale_out[t] = scale;
-    for_each_norm_vec<Cfg>(p, geo, t, rv, inv, [&](int64_t elem, float (&y)[kVec]) {
+    for_each_norm_vec<Cfg>(p, geo, t, row, inv, [&](int64_t elem, float (&y)[kVec]) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) y[j] = y[j] / scale;
       store_fp8<kVec>(static_cast<uint8_t*>(p.norm_out) + elem, y);
@@ -148,7 +148,7 @@ struct Fp8Group128Writer {
   static constexpr int kGroup = kQuantGroup;
   template <class Cfg>
   static __device__ __forceinline__ void write(const LaunchParams& p, const Geometry<Cfg>& geo,
-                                               int64_t t, const uint4 (&rv)[Cfg::kVpt], float inv,
+                                               int64_t t, const TokenRow<Cfg>& row, float inv,
                                                bool valid, Reducer<Cfg>&) {
     constexpr int kVec = Cfg::kVec;
     constexpr int kGV = Cfg::kGroupVecs;
@@ -162,7 +162,7 @@ struct Fp8Group128Writer {
       // y for every lane (vector 0's gamma where it has none), so that nothing diverges before
       // the shuffles (a branch around norm_vec here made ptxas spill in the poll loop).
       float y[kVec];
-      norm_vec<Cfg>(p, rv[i], has ? v : 0, inv, y);
+      norm_vec<Cfg>(p, row, i, has ? v : 0, inv, y);
       float amax = 0.0f;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) amax = max_nan(amax, fabsf(y[j]));
