@@ -140,15 +140,6 @@ __device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
   return v;
 }
 
-// A 32-bit word that another block or the host changes between calls (the epoch, the error word):
-// volatile (to L2, never a stale L1 line), and asm volatile so that it stays where it is put among
-// the other asm loads.
-__device__ __forceinline__ uint32_t ld_volatile_u32(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
 // Brings the 128-byte line of p into L1 (no register, no wait): a later load of it hits there.
 __device__ __forceinline__ void prefetch_l1(const void* p) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
@@ -343,20 +334,11 @@ __device__ __forceinline__ float load_weight(const void* base, bool is_f32, int6
 // 8 experts). Rows absent from this rank (index -1) contribute nothing; an index outside
 // [-1, P) makes the token's partial NaN instead of reading out of bounds.
 // ---------------------------------------------------------------------------------------------
-// after_loads() runs once the first group's loads are issued and before any of them is used:
-// the fused kernel reads its epoch there, so that the epoch's round trip overlaps the rows'
-// instead of preceding them (issue is in order: a load placed after the first use of a row would
-// wait for the row).
-struct NoHook {
-  __device__ __forceinline__ void operator()() const {}
-};
-// kSmallT: the one-shot kernel's choice (its finalize is on the critical path of every small-T
-// call): the shared row prefetched into L1 and the indices loaded before the rows (below). The
-// two-shot instances at 7168 spill more with either (the prefetch's address, the indices live).
-template <typename T, bool kSmallT = false, class AfterLoads = NoHook>
+// kPrefetchShared: the one-shot kernel's choice (its finalize is on the critical path of every
+// small-T call); the two-shot instances at 7168 spill more with the prefetch's address live.
+template <typename T, bool kPrefetchShared = false>
 __device__ __forceinline__ void finalize_vec(const LaunchParams& p, int64_t t, int64_t elem,
-                                             float (&acc)[Elem<T>::kVec],
-                                             AfterLoads after_loads = AfterLoads{}) {
+                                             float (&acc)[Elem<T>::kVec]) {
   constexpr int kVec = Elem<T>::kVec;
   constexpr int kGroup = 8;
   const T* rows = static_cast<const T*>(p.expert_out);
@@ -366,7 +348,7 @@ __device__ __forceinline__ void finalize_vec(const LaunchParams& p, int64_t t, i
   // nothing, and its load (volatile asm) comes after the row loop, so without the prefetch it
   // would start only once the rows are summed. A prefetch holds no register (holding the loaded
   // row across the loop made ptxas spill).
-  if (kSmallT && p.shared_out != nullptr) {
+  if (kPrefetchShared && p.shared_out != nullptr) {
     prefetch_l1(static_cast<const T*>(p.shared_out) + t * H + elem);
   }
 #pragma unroll
@@ -375,30 +357,21 @@ __device__ __forceinline__ void finalize_vec(const LaunchParams& p, int64_t t, i
   for (int k0 = 0; k0 < K; k0 += kGroup) {
     uint4 v[kGroup];
     float w[kGroup];
-    // kSmallT: the group's indices first, then its rows: the permuted layout's index loads issue
-    // back to back and every row load waits for the first index only (interleaved, each row load
-    // waits for its own index: K dependent L1 hits after the first miss). int32, like the indices.
-    const bool permuted = p.layout == static_cast<int32_t>(Layout::kPermuted);
-    int idx[kGroup];
-    if constexpr (kSmallT) {
-#pragma unroll
-      for (int g = 0; g < kGroup; ++g) {
-        idx[g] = (permuted && k0 + g < K) ? __ldg(p.permuted_idx + t * K + k0 + g) : 0;
-      }
-    }
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
       const int k = k0 + g;
       w[g] = 0.0f;
       v[g] = make_uint4(0, 0, 0, 0);
       if (k < K) {
-        int64_t row = t * K + k;  // dense [T, K, H]; plain is dense with K = 1
-        if (permuted) {
-          row = kSmallT ? idx[g] : __ldg(p.permuted_idx + t * K + k);
+        int64_t row;
+        if (p.layout == static_cast<int32_t>(Layout::kPermuted)) {
+          row = __ldg(p.permuted_idx + t * K + k);
           if (row < -1 || row >= p.num_rows) {
             bad = true;
             row = -1;
           }
+        } else {
+          row = t * K + k;  // dense [T, K, H]; plain is dense with K = 1
         }
         if (row >= 0) {
           v[g] = ld_stream(rows + row * H + elem);
@@ -406,7 +379,6 @@ __device__ __forceinline__ void finalize_vec(const LaunchParams& p, int64_t t, i
         }
       }
     }
-    if (k0 == 0) after_loads();
 #pragma unroll
     for (int g = 0; g < kGroup; ++g) {
       float f[kVec];

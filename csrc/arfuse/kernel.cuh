@@ -350,34 +350,25 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
 
   // ---- epoch and slot (every slot is all-sentinel at the start of a call: each element is
   // reset by its reader right after it is read) ----
-  // Each thread reads the epoch (and the error word beside it) once, lazily: in phase 1 right
-  // after its first finalize loads are issued (finalize_vec's after_loads), so that the two
-  // round trips overlap instead of following each other, else before its first use of the slot.
-  // (Read at the kernel's start, as before, every warp waited for it before issuing a row load:
-  // ptxas put the slot arithmetic right behind the load.)
-  uint32_t epoch_read = 0, error_word = 0;
-  bool have_epoch = false;
-  auto read_epoch = [&]() {
-    if (!have_epoch) {
-      epoch_read = ld_volatile_u32(&p.ctrl->epoch);
-      error_word = ld_volatile_u32(&p.ctrl->error);
-      have_epoch = true;
-    }
-  };
-  auto slot_offset = [&]() -> int64_t {
-    read_epoch();
-    return static_cast<int64_t>(epoch_read % kNumSlots) * p.slot_elems;
-  };
+  const uint32_t epoch_read = *reinterpret_cast<volatile uint32_t*>(&p.ctrl->epoch);
+  const uint32_t epoch = epoch_read % kNumSlots;
+  // One-shot: arrival at the start, the block has read this call's epoch. A reduction without a return
+  // value (nothing waits for it); its operand depends on the epoch just read (epoch_read / 4 is
+  // 0, but the compiler cannot know), so it is issued only once that read has returned. Block 0
+  // advances the epoch at its end once every block has arrived (below).
+  if (kOneShot && threadIdx.x == 0) red_add_gpu(&p.ctrl->arrived, 1u + epoch_read / 4u);
+  const int slot = static_cast<int>(epoch);
+  const int64_t slot_off = static_cast<int64_t>(slot) * p.slot_elems;
   T* const own = static_cast<T*>(p.buffers[rank]);
-  // Two-shot (large T, bandwidth-bound): at the start, as before; its 7168 instances spill more
-  // with the epoch kept unread through phase 1.
-  if constexpr (!kOneShot) read_epoch();
 
   const TwoShotItems items(T_, N, Cfg::kTpb);
   const int per = items.per;                                    // two-shot: tokens per owner
   const int64_t gather_off = static_cast<int64_t>(per) * N * H;  // two-shot: gather area
   Waiter waiter;
   waiter.ctrl_error = &p.ctrl->error;
+  // A communicator that timed out before is broken: no waits, NaN outputs (the host refuses
+  // new calls; this covers calls that were already queued when it happened).
+  if (*reinterpret_cast<volatile uint32_t*>(&p.ctrl->error) != 0) waiter.gave_up = true;
 
   // The work of phases 1 and 3: one-shot token chunks, or two-shot items (TwoShotItems). For work
   // unit w: this thread's token t, its owner and its index there (two-shot), and whether the
@@ -407,13 +398,8 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
       if (v < 0) continue;
       const int64_t elem = static_cast<int64_t>(v) * kVec;
       float acc[kVec];
-      if constexpr (kOneShot) {
-        finalize_vec<T, true>(p, t, elem, acc, read_epoch);
-      } else {
-        finalize_vec<T, false>(p, t, elem, acc);
-      }
+      finalize_vec<T, kOneShot>(p, t, elem, acc);
       const uint4 out = canonical<T>(pack<T>(acc));
-      const int64_t slot_off = slot_offset();
       if constexpr (kOneShot) {
         const int64_t off = slot_off + (static_cast<int64_t>(t) * N + rank) * H + elem;
         if constexpr (Cfg::kWorld != 0) {
@@ -428,18 +414,6 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
       }
     }
   }
-
-  // Every thread has read the epoch from here on (a thread without a vector in phase 1 reads it
-  // now). A communicator that timed out before is broken: no waits, NaN outputs (the host
-  // refuses new calls; this covers calls that were already queued when it happened).
-  const int64_t slot_off = slot_offset();
-  const uint32_t epoch = epoch_read % kNumSlots;
-  if (error_word != 0) waiter.gave_up = true;
-  // One-shot: arrival, once the block has read this call's epoch (the operand depends on it:
-  // epoch_read / 4 is 0, but the compiler cannot know, so the reduction is issued only once that
-  // read has returned) and pushed its rows. A reduction without a return value: nobody waits
-  // for it here. Block 0 advances the epoch at its end once every block has arrived (below).
-  if (kOneShot && threadIdx.x == 0) red_add_gpu(&p.ctrl->arrived, 1u + epoch_read / 4u);
 
   if constexpr (!kOneShot) {
     // ---- two-shot phase 2: the owner reduces its tokens (its items among this block's) and
@@ -531,9 +505,9 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
 
   // ---- completion ----
   if constexpr (kOneShot) {
-    // Block 0 advances the epoch once every block has read it (arrived after its phase 1). Only
-    // block 0 waits, and only for those arrivals (all blocks of the capped grid are resident and
-    // phase 1 waits for nothing, so they come); no block waits for an atomic's return at its end. The next call reads the new epoch
+    // Block 0 advances the epoch once every block has read it (arrived at its start). Only block
+    // 0 waits, and only for those arrivals (all blocks of the capped grid are resident, so they
+    // come); no block waits for an atomic's return at its end. The next call reads the new epoch
     // after this kernel has finished (stream order), so no block of this call can see it.
     if (blockIdx.x == 0 && threadIdx.x == 0) {
       while (arrivals_seen < gridDim.x) arrivals_seen = ld_relaxed_gpu(&p.ctrl->arrived);
