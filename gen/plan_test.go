@@ -50,15 +50,17 @@ func TestPlanTwoShot(t *testing.T) {
 	cases := []planCase{
 		// 896 vectors: 2 per thread, 448 threads.
 		{"bf16", 7168, Plan{Vec: 8, Nvec: 896, Cluster: 1, Slice: 896, ThreadsPerToken: 448, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 448, MaxHidden: 7168, RowInRegisters: true, MinBlocksPerSM: 2}},
-		// At least 2 vectors per thread: 512 vectors on 256 threads, not 512 threads of 1.
-		{"bf16", 4096, Plan{Vec: 8, Nvec: 512, Cluster: 1, Slice: 512, ThreadsPerToken: 256, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 4096, RowInRegisters: true}},
+		// At least 2 vectors per thread: 512 vectors on 256 threads, not 512 threads of 1; four
+		// blocks per SM asked (twoShotMinBlocks, measured).
+		{"bf16", 4096, Plan{Vec: 8, Nvec: 512, Cluster: 1, Slice: 512, ThreadsPerToken: 256, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 4096, RowInRegisters: true, MinBlocksPerSM: 4}},
 		{"bf16", 2880, Plan{Vec: 8, Nvec: 360, Cluster: 1, Slice: 360, ThreadsPerToken: 192, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 192, MaxHidden: 2880, RowInRegisters: true}},
 		{"bf16", 2048, Plan{Vec: 8, Nvec: 256, Cluster: 1, Slice: 256, ThreadsPerToken: 128, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 128, MaxHidden: 2048, RowInRegisters: true}},
 		{"fp32", 7168, Plan{Vec: 4, Nvec: 1792, Cluster: 1, Slice: 1792, ThreadsPerToken: 448, VecsPerThread: 4, TokensPerBlock: 1, BlockThreads: 448, MaxHidden: 7168, RowInRegisters: true, MinBlocksPerSM: 2}},
 		{"bf16", 512, Plan{Vec: 8, Nvec: 64, Cluster: 1, Slice: 64, ThreadsPerToken: 32, VecsPerThread: 2, TokensPerBlock: 4, BlockThreads: 128, MaxHidden: 512, RowInRegisters: true}},
 		// A row of one warp's vectors or fewer: one vector per thread.
 		{"bf16", 8, Plan{Vec: 8, Nvec: 1, Cluster: 1, Slice: 1, ThreadsPerToken: 32, VecsPerThread: 1, TokensPerBlock: 4, BlockThreads: 128, MaxHidden: 8, RowInRegisters: true}},
-		// Too long for 512 threads x 8 vectors: the clustered plan of one-shot.
+		// Too long for 512 threads x 8 vectors: the clustered plan of one-shot (256 threads, but 4
+		// vectors each: not the measured shape of twoShotMinBlocks).
 		{"bf16", 65536, Plan{Vec: 8, Nvec: 8192, Cluster: 8, Slice: 1024, ThreadsPerToken: 256, VecsPerThread: 4, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 65536, RowInRegisters: true}},
 	}
 	checkPlans(t, "twoshot", cases)
