@@ -7,7 +7,8 @@
 # Prepare here (no Go on the GPU machine):
 #   go run ./gen --matrix ab --out build/ab/out          (in this tree and in every OLD)
 #   scripts/kernel_ab.sh $OUT .snap/base [.snap/s1 ...]   carry [".snap", "build/ab/out"]
-# Knobs: AB_TOKENS (default 1,2,4,8,16,64,1024,8192), ROUNDS, LADDER=1, LADDER_TOKENS,
+# Knobs: AB_TOKENS (default 1,2,4,8,16,64,1024,8192), AB_CONFIGS ("model N;model N;...", default
+# the four above), ROUNDS, LADDER=1, LADDER_TOKENS,
 # DEADLINE_S (default 560). Results: OUT/ab.tgz (CSVs, markdown, logs of both trees), gpu.txt.
 set -uo pipefail
 out=${1:?usage: scripts/kernel_ab.sh OUTDIR OLDTREE...}
@@ -38,7 +39,8 @@ as() { local tree=$1; shift
           ARFUSE_MANIFEST=$tree/build/ab/out/manifest.json PYTHONPATH=$tree "$@"); }
 ab=$new/build/kab; rm -rf "$ab"; mkdir -p "$ab"
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for spec in "deepseek-v3 8" "qwen3-235b-a22b 4" "qwen3-30b-a3b 2" "gpt-oss-120b 4"; do
+  IFS=';' read -r -a specs <<< "${AB_CONFIGS:-deepseek-v3 8;qwen3-235b-a22b 4;qwen3-30b-a3b 2;gpt-oss-120b 4}"
+  for spec in "${specs[@]}"; do
     set -- $spec
     for i in "${!trees[@]}"; do
       who=${labels[$i]} tree=${trees[$i]}
