@@ -242,6 +242,24 @@ def test_input_rotation():
     assert BB.num_input_sets(l2, l2) == 5                 # 4x exactly is not "exceeds"
 
 
+def test_timed_replays_walk_the_whole_rotation():
+    """Every input set is read by the timed replays, and the rotation exceeds 4x L2 for the
+    smallest set the ladder uses (T = 1, H = 2048, N = 2, plain, no shared: 16 KiB)."""
+    l2 = 50 << 20
+    set_bytes = BB.input_set_bytes("plain", 1, 2048, 8, 2, shared=False) * 2
+    assert set_bytes == 16 << 10
+    n_sets = BB.num_input_sets(set_bytes, l2)          # the default cap
+    assert n_sets * set_bytes > 4 * l2
+    for G, replays in ((24, 50), (20, 100), (2, 50), (1, 50)):
+        graphs, timed = BB.replay_plan(n_sets, G, replays)
+        walked = {(g * G + c) % n_sets for i in range(timed) for g in [i % graphs] for c in range(G)}
+        assert timed >= replays and len(walked) == n_sets
+    # the old behaviour, for contrast: 50 replays of 24 calls over 2,048 sets read 19 MiB
+    assert min(2048, 50 * 24) * set_bytes < l2
+    with pytest.raises(ValueError):
+        BB.replay_plan(0, 24, 50)
+
+
 # ---------------------------------------------------------------- rows and writers
 
 def synthetic_rows():

@@ -828,8 +828,7 @@ def time_impl(setup: Setup, impl: Impl, n_sets: int, G: int) -> tuple[list, str]
     was 19 MiB, L2-resident). The caller takes the maximum over ranks of each replay (torchrun)
     and divides by G for the per-call time."""
     a = setup.args
-    n_graphs = max(1, -(-n_sets // G))
-    n_timed = max(a.replays, n_graphs)
+    n_graphs, n_timed = BB.replay_plan(n_sets, G, a.replays)
     seqs = [[(g * G + c) % n_sets for c in range(G)] for g in range(n_graphs)]
 
     # Warm-up: one call, then the graph's call sequence; a call that timed out (a peer never
