@@ -9,8 +9,9 @@
 //   template <class Cfg> static void write(p, geo, t, row, inv, valid, red)
 // which writes the token's norm_out (and its scales) from row (TokenRow: the token's residual_out,
 // already rounded and stored, and possibly gamma) and inv = rsqrt(mean square + eps). Every
-// thread of the block calls it, valid or not, so that a writer may reduce over the token (row_reduce) or a warp; only valid
-// threads write. y, the float32 RMSNorm of a vector, is norm_vec's (the one definition of y).
+// thread of the block calls it, valid or not, so that a writer may reduce over the token
+// (row_reduce) or a warp; only valid threads write. y, the float32 RMSNorm of a vector, is
+// norm_vec's (the one definition of y).
 //
 // Included by kernel.cuh after Geometry, row_reduce and norm_vec, which the writers use; not a
 // header of its own. Adding an output kind adds one struct here (gen/README.md lists the rest).
