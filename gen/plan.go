@@ -118,13 +118,15 @@ func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 	return p, nil
 }
 
-// twoShotMinBlocks: blocks per SM asked of two-shot instances of the one-CTA, 2-vectors-per-thread
-// shape by block size, where a measurement showed that the occupancy pays. The two-shot at large T is bandwidth-bound and its bytes in
-// flight grow with the threads resident: at 256 threads (H = 4096) ptxas chose 74 registers, three
-// blocks per SM; an instance it happened to give 64 registers (four blocks) moved Qwen3-235B N = 4
-// at T = 8192 in 1,160 instead of 1,282 us (kernel_ab on the H200, 2026-12-03, docs/performance.md).
-// Other sizes are not in the table until measured (192 threads: 5 blocks would cap at 68
-// registers; 128: 8 at 64, where the 2048 instance already spills at 72).
+// twoShotMinBlocks: blocks per SM asked of two-shot instances of the one-CTA,
+// 2-vectors-per-thread shape, by block size, where a measurement showed that the occupancy pays.
+// The two-shot at large T is bandwidth-bound and its bytes in flight grow with the threads
+// resident: at 256 threads (H = 4096) ptxas chose 74 registers, three blocks per SM; asked for
+// four (64 registers), Qwen3-235B moved T = 8192 7-10 % faster at N = 2, 4, 8 (N = 4: 1,286 ->
+// 1,160 us), and was 2-8 % slower at a few mid T with few tokens per owner (N = 2 T = 256,
+// N = 8 T = 16-64) (kernel_ab on the H200 at 187a843, docs/performance.md). Other sizes are not
+// in the table until measured (192 threads: 5 blocks would cap at 68 registers; 128: 8 at 64,
+// where the 2048 instance already spills at 72).
 var twoShotMinBlocks = map[int]int{256: 4}
 
 // minBlocksAbove: blocks of more threads than this are compiled for two blocks per SM

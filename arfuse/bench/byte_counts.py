@@ -265,8 +265,13 @@ def input_set_bytes(layout: str, T: int, H: int, K: int, elem: int, *, weight_el
     return b
 
 
+# The default cap on input sets: keeps even the smallest set (16 KiB: T = 1, H = 2048, N = 2,
+# plain layout, no shared row) above 4x a 50 MiB L2.
+MAX_SETS = 16384
+
+
 def num_input_sets(set_bytes: int, l2_bytes: int, *, factor: float = 4.0, min_sets: int = 2,
-                   max_sets: int = 16384) -> int:
+                   max_sets: int = MAX_SETS) -> int:
     """Distinct input sets so that together they exceed ``factor`` x L2 (at least ``min_sets``
     so that consecutive calls differ, at most ``max_sets``)."""
     if set_bytes <= 0:

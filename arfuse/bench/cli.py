@@ -237,10 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(for debugging capture problems)")
     t.add_argument("--l2-mb", type=float, default=None,
                    help="L2 size used to size the input rotation (default: the card's)")
-    t.add_argument("--max-sets", type=int, default=16384,
-                   help="cap on distinct input sets per token count (16,384 sets keep even "
-                   "the smallest set, 16 KiB at T = 1, H = 2048, N = 2 without expert rows, "
-                   "above 4x a 50 MiB L2)")
+    t.add_argument("--max-sets", type=int, default=BB.MAX_SETS,
+                   help="cap on distinct input sets per token count (the default keeps even the "
+                   "smallest set, 16 KiB at T = 1, H = 2048, N = 2 without expert rows, above 4x "
+                   "a 50 MiB L2)")
     t.add_argument("--copy-mb", type=int, default=1024,
                    help="MiB copied to measure the device copy bandwidth")
     t.add_argument("--comm-timeout", type=float, default=10.0,

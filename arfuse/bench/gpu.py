@@ -821,12 +821,10 @@ def time_impl(setup: Setup, impl: Impl, n_sets: int, G: int) -> tuple[list, str]
 
     Graph mode: warm up eagerly, capture ceil(n_sets / G) graphs of G consecutive calls (graph g
     uses sets g*G .. g*G+G-1, modulo n_sets, so consecutive calls touch different data and the
-    graphs together walk all sets), replay each once, then time max(``replays``, number of graphs)
-    replays round-robin, each between two CUDA events: the timed replays walk every set at least
-    once, so what they read is the whole rotation (more than 4x L2), not the part of it that the
-    first ``replays`` graphs touch (with 2,048 sets of 16 KiB and 50 replays of 24 calls that part
-    was 19 MiB, L2-resident). The caller takes the maximum over ranks of each replay (torchrun)
-    and divides by G for the per-call time."""
+    graphs together walk all sets), replay each once, then time the replays of
+    ``byte_counts.replay_plan`` (at least ``replays``, at least one per graph: the timed replays
+    read the whole rotation) round-robin, each between two CUDA events. The caller takes the
+    maximum over ranks of each replay (torchrun) and divides by G for the per-call time."""
     a = setup.args
     n_graphs, n_timed = BB.replay_plan(n_sets, G, a.replays)
     seqs = [[(g * G + c) % n_sets for c in range(G)] for g in range(n_graphs)]
