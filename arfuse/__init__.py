@@ -8,11 +8,14 @@
     q, residual_out, scales = arfuse.moe_finalize_allreduce_rmsnorm(
         comm, expert_out, residual, gamma, 1e-6, quant="fp8_group128", scale_layout="col")
 
+    # One GPU (tensor-parallel size 1): no all-reduce, one kernel, nothing allocated.
+    comm = arfuse.local_communicator(max_tokens=8192, hidden=2048, dtype=torch.bfloat16)
+
 See README.md and docs/ for the operation's exact definition, the algorithms and their limits.
 """
 
 from ._lib import is_built, library_path
-from .comm import Communicator
+from .comm import Communicator, local_communicator
 from .models import models
 from .ops import (
     QUANT_KINDS,
@@ -30,6 +33,7 @@ __all__ = [
     "instance_for",
     "is_built",
     "library_path",
+    "local_communicator",
     "models",
     "moe_finalize",
     "moe_finalize_allreduce_rmsnorm",

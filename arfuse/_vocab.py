@@ -25,7 +25,8 @@ _TABLES = json.loads("""
     {"name": "fp16", "torch": "float16", "bytes": 2},
     {"name": "fp32", "torch": "float32", "bytes": 4}
   ],
-  "algorithms": ["auto", "oneshot", "twoshot"],
+  "algorithms": ["auto", "oneshot", "twoshot", "local"],
+  "local_algorithms": ["local"],
   "outputs": [
     {"name": "norm", "torch": "", "scales": "none", "group": 0, "bounded": false, "layouts": false},
     {"name": "fp8_static", "torch": "float8_e4m3fn", "scales": "input", "group": 0, "bounded": false, "layouts": false},
@@ -50,10 +51,19 @@ TORCH_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, d["torch"]) for d i
 DTYPES: dict[str, torch.dtype] = dict(zip(DTYPE_NAMES, TORCH_DTYPES))
 DTYPE_NAME_OF: dict[torch.dtype, str] = {t: n for n, t in DTYPES.items()}
 
-# Algorithms: name -> the ops' `algorithm` argument. "auto" picks one-shot or two-shot by token
-# count on the host; kernel instances are built for the others (KERNEL_ALGORITHMS).
+# Algorithms: name -> the ops' `algorithm` argument. "auto" is resolved on the host: "local" at
+# world size 1 (LOCAL_ALGORITHMS: no all-reduce, the world-size-1 op), else one-shot or two-shot
+# by token count (KERNEL_ALGORITHMS: the all-reduce algorithms, world sizes 2 and up).
 ALGORITHMS: dict[str, int] = {name: i for i, name in enumerate(_TABLES["algorithms"])}
-KERNEL_ALGORITHMS: tuple[str, ...] = tuple(a for a in _TABLES["algorithms"] if a != "auto")
+LOCAL_ALGORITHMS: tuple[str, ...] = tuple(_TABLES["local_algorithms"])
+KERNEL_ALGORITHMS: tuple[str, ...] = tuple(a for a in _TABLES["algorithms"]
+                                           if a != "auto" and a not in LOCAL_ALGORITHMS)
+
+
+def algorithms_for(world_size: int) -> tuple[str, ...]:
+    """The kernel algorithms that serve world size `world_size`: local at 1, else the
+    all-reduce algorithms."""
+    return LOCAL_ALGORITHMS if world_size == 1 else KERNEL_ALGORITHMS
 
 # Output kinds, one row of traits each (gen/tables.go OutKind): name -> arfuse::OutKind value, and
 # OUTPUT_ROWS name -> its row:

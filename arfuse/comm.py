@@ -219,10 +219,22 @@ class Communicator:
                 f"dtype={self.dtype}, max_tokens={self.max_tokens}, device={self.device}, {state})")
 
 
-def cpu_communicator(*, max_tokens: int, hidden: int, dtype: torch.dtype) -> Communicator:
-    """A world-size-1 communicator on the CPU: the all-reduce is the identity and the op runs the
-    PyTorch implementation in arfuse._cpu (used to test graph rewrites without a GPU)."""
+def local_communicator(*, max_tokens: int, hidden: int, dtype: torch.dtype,
+                       device=None) -> Communicator:
+    """A communicator of world size 1, needing no process group: single-GPU serving. There is no
+    all-reduce, so the op runs the local algorithm (one kernel: finalize + shared add + residual
+    + RMSNorm, or an FP8 output) and the communicator allocates nothing (no peers, no buffer).
+    device: a CUDA device (default: the current one), or "cpu" for the PyTorch implementation in
+    arfuse._cpu (the same definition, for graph rewrites and tests without a GPU)."""
     _lib.require()
-    handle = _op("comm_create", 0, 1, hidden, dtype, max_tokens, -1, 1,
-                                          torch.device("cpu"), 10.0)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    handle = _op("comm_create", 0, 1, hidden, dtype, max_tokens, -1, 1, torch.device(device),
+                 10.0)
     return Communicator._from_handle(handle)
+
+
+def cpu_communicator(*, max_tokens: int, hidden: int, dtype: torch.dtype) -> Communicator:
+    """A world-size-1 communicator on the CPU: local_communicator(device="cpu"); the op runs the
+    PyTorch implementation in arfuse._cpu (used to test graph rewrites without a GPU)."""
+    return local_communicator(max_tokens=max_tokens, hidden=hidden, dtype=dtype, device="cpu")

@@ -96,7 +96,9 @@ def moe_finalize_allreduce_rmsnorm(comm, expert_out, residual, gamma, eps, *, pe
     permuted_idx [T, K] int32 (-1: expert not on this rank). expert_weights [T, K]: float32 or
     the activation dtype (None: 1). inplace (plain layout only): norm_out is written into
     expert_out and residual_out into residual, as vLLM's fused_add_rms_norm does.
-    algorithm: "auto" (by token count), "oneshot" or "twoshot".
+    algorithm: "auto" (by token count), "oneshot" or "twoshot"; a communicator of world size 1
+    has no all-reduce and runs "local" (what "auto" picks there): finalize + shared add +
+    residual + RMSNorm in one kernel, no workspace, nothing exchanged.
 
     FP8-e4m3 outputs (residual_out stays in the activation dtype). saturate(x) rounds x to the
     nearest e4m3 value (ties to even), clamped to +-448; NaN stays NaN. amax is max |y| over the
@@ -169,26 +171,35 @@ def _dtype(dtype) -> torch.dtype:
 
 
 def instance_for(dtype, hidden: int, world_size: int, algorithm: str = "oneshot",
-                 output: str = "norm") -> str | None:
+                 output: str = "norm", num_tokens: int | None = None) -> str | None:
     """Name of the kernel instance that serves this combination (specialised or generic), or None.
-    output: "norm", "fp8_static", "fp8_token" or "fp8_group128"."""
+    output: "norm", "fp8_static", "fp8_token" or "fp8_group128". num_tokens: the instance a call
+    of that many tokens runs (a token split, variants/tuning.yaml min_blocks_splits, serves the
+    smaller token counts with its twin); None: the one that serves every token count."""
     _lib.require()
     algo = _algorithm(algorithm)
     if algo == 0:
-        raise ValueError("arfuse: algorithm: instance_for wants 'oneshot' or 'twoshot'")
+        raise ValueError("arfuse: algorithm: instance_for wants 'oneshot', 'twoshot' or 'local'")
     if output not in _OUTPUTS:
         raise ValueError(f"arfuse: output: {output!r} is not one of {list(_OUTPUTS)}")
+    if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+                                   or num_tokens < 0):
+        raise ValueError(f"arfuse: num_tokens: {num_tokens!r} is not a token count (want an "
+                         "int >= 0, or None)")
     try:
         name = torch.ops.arfuse.instance_for(_dtype(dtype), hidden, world_size, algo,
-                                             _OUTPUTS[output])
+                                             _OUTPUTS[output],
+                                             -1 if num_tokens is None else num_tokens)
     except RuntimeError as e:
         _lib.reraise(e)
     return name or None
 
 
 def supported(dtype, hidden: int, world_size: int) -> bool:
-    """Whether some kernel instance serves (dtype, hidden, world_size) with the norm output."""
-    return any(instance_for(dtype, hidden, world_size, a) for a in _vocab.KERNEL_ALGORITHMS)
+    """Whether some kernel instance serves (dtype, hidden, world_size) with the norm output
+    (world size 1: the local algorithm's)."""
+    return any(instance_for(dtype, hidden, world_size, a)
+               for a in _vocab.algorithms_for(world_size))
 
 
 def oneshot_threshold(dtype, hidden: int, world_size: int) -> int:

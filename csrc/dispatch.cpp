@@ -29,6 +29,8 @@ const char* algo_name(Algo algo) {
       return "oneshot";
     case Algo::kTwoShot:
       return "twoshot";
+    case Algo::kLocal:
+      return "local";
   }
   return "?";
 }
@@ -39,16 +41,39 @@ const char* out_name(OutKind out) {
 }
 
 const Instance* find_instance(DType dtype, int hidden, int world_size, Algo algo, OutKind out,
-                              std::string* why) {
+                              int64_t tokens, std::string* why) {
+  // World size 1 has no all-reduce: the local algorithm serves it, and nothing else (the same
+  // rule as the generator's, gen/plan.go worldRule).
+  if ((algo == Algo::kLocal) != (world_size == 1)) {
+    if (why != nullptr) {
+      *why = std::string("no kernel instance serves (dtype ") + dtype_name(dtype) + ", hidden " +
+             std::to_string(hidden) + ", world size " + std::to_string(world_size) +
+             ", algorithm " + algo_name(algo) + ", output " + out_name(out) + "): " +
+             (world_size == 1 ? "world size 1 has no all-reduce; algorithm local serves it"
+                              : "algorithm local serves world size 1 only (no all-reduce)");
+    }
+    return nullptr;
+  }
   int count = 0;
   const Instance* table = instance_table(&count);
   const Instance* generic = nullptr;
+  const Instance* every = nullptr;  // the specialised instance for every token count
+  const Instance* twin = nullptr;   // the smallest token split serving `tokens`
   for (int i = 0; i < count; ++i) {
     const Instance& e = table[i];
     if (e.dtype != dtype || e.algo != algo || e.out != out) continue;
-    if (e.hidden == hidden && e.world_size == world_size) return &e;
+    if (e.hidden == hidden && e.world_size == world_size) {
+      if (e.max_tokens == 0) {
+        every = &e;
+      } else if (tokens >= 0 && tokens <= e.max_tokens &&
+                 (twin == nullptr || e.max_tokens < twin->max_tokens)) {
+        twin = &e;
+      }
+    }
     if (e.hidden == 0 && e.world_size == 0) generic = &e;
   }
+  if (twin != nullptr) return twin;
+  if (every != nullptr) return every;
   const int vec = vector_elems(dtype);
   const bool served = generic != nullptr && hidden > 0 && hidden % vec == 0 &&
                       hidden <= generic->max_hidden && world_size >= 1 && world_size <= kMaxWorld;

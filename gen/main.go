@@ -133,6 +133,7 @@ func generate(o options, stdout, stderr io.Writer) error {
 	if err := checkTuning(tuning); err != nil {
 		return err
 	}
+	variants = splitByTokens(variants, tuning)
 	if variants, err = filterOnly(variants, o.only, mpath); err != nil {
 		return err
 	}

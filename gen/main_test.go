@@ -151,7 +151,7 @@ func repoRoot(t *testing.T) {
 
 func TestRealMatrices(t *testing.T) {
 	repoRoot(t)
-	counts := map[string]int{"default": 102, "ci": 26, "full": 576}
+	counts := map[string]int{"default": 124, "ci": 39, "full": 660}
 	for _, m := range []string{"default", "ci", "full"} {
 		args := []string{"--list"}
 		if m != "default" {
@@ -169,8 +169,12 @@ func TestRealMatrices(t *testing.T) {
 			t.Errorf("%s: --list is not sorted", m)
 		}
 		for _, l := range lines {
-			if !regexp.MustCompile(`^arfuse_(bf16|fp16|fp32)_(h\d+_w\d+|generic)_(oneshot|twoshot)_(norm|fp8_static|fp8_token|fp8_group128)$`).MatchString(l) {
+			if !regexp.MustCompile(`^arfuse_(bf16|fp16|fp32)_(h\d+_w\d+|generic)_(oneshot|twoshot|local)_(norm|fp8_static|fp8_token|fp8_group128)(_upto\d+)?$`).MatchString(l) {
 				t.Errorf("%s: odd name %q", m, l)
+			}
+			// World size 1 is the local algorithm's, and local is world size 1's.
+			if strings.Contains(l, "_w1_") != (strings.Contains(l, "_local_") && !strings.Contains(l, "_generic_")) {
+				t.Errorf("%s: %q: world size 1 and the local algorithm go together", m, l)
 			}
 			if m == "ci" && strings.Contains(l, "_h2880_") {
 				t.Errorf("ci.yaml specialises 2880, which the GPU tests use for the generic path: %s", l)
@@ -182,17 +186,19 @@ func TestRealMatrices(t *testing.T) {
 func TestOnlyAndList(t *testing.T) {
 	repoRoot(t)
 	code, stdout, _ := runGen(t, "--list", "--only", "arfuse_bf16_h7168_*_norm")
-	want := "arfuse_bf16_h7168_w2_oneshot_norm\narfuse_bf16_h7168_w2_twoshot_norm\narfuse_bf16_h7168_w4_oneshot_norm\n" +
+	want := "arfuse_bf16_h7168_w1_local_norm\n" +
+		"arfuse_bf16_h7168_w2_oneshot_norm\narfuse_bf16_h7168_w2_twoshot_norm\narfuse_bf16_h7168_w4_oneshot_norm\n" +
 		"arfuse_bf16_h7168_w4_twoshot_norm\narfuse_bf16_h7168_w8_oneshot_norm\narfuse_bf16_h7168_w8_twoshot_norm\n"
 	if code != 0 || stdout != want {
 		t.Errorf("exit %d\n%s", code, stdout)
 	}
 	// Generic instances are names too; several --only are a union.
 	code, stdout, _ = runGen(t, "--list", "--only", "*_generic_*", "--only", "arfuse_fp16_h2880_w2_oneshot_norm")
-	want = "arfuse_bf16_generic_oneshot_fp8_group128\narfuse_bf16_generic_oneshot_fp8_static\narfuse_bf16_generic_oneshot_fp8_token\narfuse_bf16_generic_oneshot_norm\n" +
+	want = "arfuse_bf16_generic_local_fp8_group128\narfuse_bf16_generic_local_fp8_static\narfuse_bf16_generic_local_fp8_token\narfuse_bf16_generic_local_norm\n" +
+		"arfuse_bf16_generic_oneshot_fp8_group128\narfuse_bf16_generic_oneshot_fp8_static\narfuse_bf16_generic_oneshot_fp8_token\narfuse_bf16_generic_oneshot_norm\n" +
 		"arfuse_bf16_generic_twoshot_fp8_group128\narfuse_bf16_generic_twoshot_fp8_static\narfuse_bf16_generic_twoshot_fp8_token\narfuse_bf16_generic_twoshot_norm\n" +
-		"arfuse_fp16_generic_oneshot_norm\narfuse_fp16_generic_twoshot_norm\narfuse_fp16_h2880_w2_oneshot_norm\n" +
-		"arfuse_fp32_generic_oneshot_norm\narfuse_fp32_generic_twoshot_norm\n"
+		"arfuse_fp16_generic_local_norm\narfuse_fp16_generic_oneshot_norm\narfuse_fp16_generic_twoshot_norm\narfuse_fp16_h2880_w2_oneshot_norm\n" +
+		"arfuse_fp32_generic_local_norm\narfuse_fp32_generic_oneshot_norm\narfuse_fp32_generic_twoshot_norm\n"
 	if code != 0 || stdout != want {
 		t.Errorf("exit %d\n%s", code, stdout)
 	}
@@ -304,8 +310,8 @@ func TestByteIdentical(t *testing.T) {
 		}
 	}
 	ta, tb := readTree(t, a), readTree(t, b)
-	if len(ta) != 26+6 {
-		t.Errorf("%d files, want 32", len(ta))
+	if len(ta) != 39+6 {
+		t.Errorf("%d files, want 45", len(ta))
 	}
 	for p, data := range ta {
 		if tb[p] != data {

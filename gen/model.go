@@ -112,8 +112,11 @@ type Group struct {
 	Hiddens []HiddenEntry
 	DTypes  []*DType
 	Worlds  []int
-	Algos   []*Algo
-	Outs    []*OutKind
+	// WorldsAt: where each of Worlds was written (the plan reports a world size no algorithm of
+	// the group serves there).
+	WorldsAt []Where
+	Algos    []*Algo
+	Outs     []*OutKind
 }
 
 // HiddenEntry is one hidden size of a group and where it came from (a model or a raw size), kept
@@ -263,6 +266,9 @@ func (d *doc) group(n *yaml.Node, path string, models []*Model) (*Group, error) 
 		}
 	}
 	g.Worlds = worlds
+	for i := range worlds {
+		g.WorldsAt = append(g.WorldsAt, d.where(nodes[i], index(wp, i)))
+	}
 	if g.Algos, err = d.algoList(f["algorithms"], join(path, "algorithms")); err != nil {
 		return nil, err
 	}
@@ -348,7 +354,7 @@ func intsText(v []int) string {
 }
 
 // Tuning is variants/tuning.yaml: the measured one-shot/two-shot crossovers and where they were
-// measured.
+// measured, and the measured token splits of instances built for a blocks-per-SM bound.
 type Tuning struct {
 	File    string
 	Card    string
@@ -356,15 +362,45 @@ type Tuning struct {
 	Commit  string
 	Command string
 	Rows    []Threshold
+	Splits  SplitTable
+}
+
+// Provenance says where a table of measured rows was measured: card, date, commit, command.
+type Provenance struct {
+	Card, Date, Commit, Command string
+}
+
+// SplitTable is the min_blocks_splits section of the tuning file: its own provenance (an A/B of
+// the same instance built with and without its bound) and its rows.
+type SplitTable struct {
+	Provenance
+	Rows []Split
+}
+
+// Split is one measured row: the specialised instance (DType, Hidden, World, Algo, Out), whose
+// plan asks for a blocks-per-SM bound, also gets a twin built without the bound (ptxas's own
+// register choice), and the dispatch runs the twin for T <= UnboundMaxTokens.
+type Split struct {
+	RowAxes
+	Algo             *Algo
+	Out              *OutKind
+	UnboundMaxTokens int
+	At               Where // the row
+}
+
+// RowAxes are the dtype, hidden size and world size every measured row names.
+type RowAxes struct {
+	DType    *DType
+	Hidden   int
+	World    int
+	HiddenAt Where // where Hidden was written (the plan checks it)
+	WorldAt  Where // where World was written (the plan checks it)
 }
 
 // Threshold is one measured row: one-shot for T <= OneshotMaxTokens.
 type Threshold struct {
-	DType            *DType
-	Hidden           int
-	World            int
+	RowAxes
 	OneshotMaxTokens int
-	HiddenAt         Where // where Hidden was written (the plan checks it)
 }
 
 var dateRE = regexp.MustCompile(`^\d{4}-\d{2}-\d{2}$`)
@@ -382,7 +418,7 @@ func loadTuning(path string) (*Tuning, error) {
 	}
 	header := []string{"card", "date", "commit", "command"}
 	keys := append(slices.Clone(header), "thresholds")
-	top, err := d.fields(root, "", keys, keys)
+	top, err := d.fields(root, "", append(slices.Clone(keys), "min_blocks_splits"), keys)
 	if err != nil {
 		return nil, err
 	}
@@ -418,22 +454,8 @@ func loadTuning(path string) (*Tuning, error) {
 			return nil, err
 		}
 		var r Threshold
-		name, err := d.str(f["dtype"], join(p, "dtype"))
-		if err != nil {
+		if r.RowAxes, err = d.rowAxes(f, p); err != nil {
 			return nil, err
-		}
-		if r.DType = dtypeByName(name); r.DType == nil {
-			return nil, d.errAt(resolve(f["dtype"]), join(p, "dtype"), "unknown dtype (want one of %s)", strings.Join(dtypeNames(), ", "))
-		}
-		if r.Hidden, err = d.integer(f["hidden"], join(p, "hidden")); err != nil {
-			return nil, err
-		}
-		r.HiddenAt = d.where(f["hidden"], join(p, "hidden"))
-		if r.World, err = d.integer(f["world_size"], join(p, "world_size")); err != nil {
-			return nil, err
-		}
-		if !slices.Contains(worldSizes, r.World) {
-			return nil, d.errAt(resolve(f["world_size"]), join(p, "world_size"), "unsupported world size (want one of %s)", intsText(worldSizes))
 		}
 		if r.OneshotMaxTokens, err = d.integer(f["oneshot_max_tokens"], join(p, "oneshot_max_tokens")); err != nil {
 			return nil, err
@@ -448,7 +470,105 @@ func loadTuning(path string) (*Tuning, error) {
 		}
 		t.Rows = append(t.Rows, r)
 	}
+	if n, ok := top["min_blocks_splits"]; ok {
+		if t.Splits, err = d.splitTable(n, "min_blocks_splits"); err != nil {
+			return nil, err
+		}
+	}
 	return t, nil
+}
+
+// splitTable reads the min_blocks_splits section: a provenance header (required, as the rows
+// are measured) and its rows.
+func (d *doc) splitTable(n *yaml.Node, path string) (SplitTable, error) {
+	var t SplitTable
+	header := []string{"card", "date", "commit", "command"}
+	keys := append(slices.Clone(header), "rows")
+	f, err := d.fields(n, path, keys, keys)
+	if err != nil {
+		return t, err
+	}
+	vals := map[string]*string{"card": &t.Card, "date": &t.Date, "commit": &t.Commit, "command": &t.Command}
+	for _, k := range header {
+		if *vals[k], err = d.tuningText(f[k], join(path, k)); err != nil {
+			return t, err
+		}
+		if *vals[k] == "" {
+			return t, d.errAt(resolve(f[k]), join(path, k), "required (say where the rows were measured)")
+		}
+	}
+	if !dateRE.MatchString(t.Date) {
+		return t, d.errAt(resolve(f["date"]), join(path, "date"), "want YYYY-MM-DD")
+	}
+	if !commitRE.MatchString(t.Commit) {
+		return t, d.errAt(resolve(f["commit"]), join(path, "commit"), "want a git commit hash (7 to 40 lower-case hex digits)")
+	}
+	items, err := d.seq(f["rows"], join(path, "rows"))
+	if err != nil {
+		return t, err
+	}
+	rowKeys := []string{"dtype", "hidden", "world_size", "algorithm", "out", "unbound_max_tokens"}
+	for i, it := range items {
+		p := index(join(path, "rows"), i)
+		rf, err := d.fields(it, p, rowKeys, rowKeys)
+		if err != nil {
+			return t, err
+		}
+		r := Split{At: d.where(it, p)}
+		if r.RowAxes, err = d.rowAxes(rf, p); err != nil {
+			return t, err
+		}
+		name, err := d.str(rf["algorithm"], join(p, "algorithm"))
+		if err != nil {
+			return t, err
+		}
+		if r.Algo = algoByName(name); r.Algo == nil {
+			return t, d.errAt(resolve(rf["algorithm"]), join(p, "algorithm"), "unknown algorithm (want one of %s)", strings.Join(namesOf(algos), ", "))
+		}
+		if name, err = d.str(rf["out"], join(p, "out")); err != nil {
+			return t, err
+		}
+		if r.Out = outKindByName(name); r.Out == nil {
+			return t, d.errAt(resolve(rf["out"]), join(p, "out"), "unknown output kind (want one of %s)", strings.Join(namesOf(outKinds), ", "))
+		}
+		if r.UnboundMaxTokens, err = d.integer(rf["unbound_max_tokens"], join(p, "unbound_max_tokens")); err != nil {
+			return t, err
+		}
+		if r.UnboundMaxTokens <= 0 {
+			return t, d.errAt(resolve(rf["unbound_max_tokens"]), join(p, "unbound_max_tokens"), "token count must be positive")
+		}
+		for j, o := range t.Rows {
+			if o.DType == r.DType && o.Hidden == r.Hidden && o.World == r.World && o.Algo == r.Algo && o.Out == r.Out {
+				return t, d.errNoValue(resolve(it), p, "duplicate row: rows[%d] has the same dtype, hidden, world_size, algorithm and out", j)
+			}
+		}
+		t.Rows = append(t.Rows, r)
+	}
+	return t, nil
+}
+
+// rowAxes reads the dtype, hidden and world_size fields of the measured row at path p.
+func (d *doc) rowAxes(f map[string]*yaml.Node, p string) (RowAxes, error) {
+	var r RowAxes
+	name, err := d.str(f["dtype"], join(p, "dtype"))
+	if err != nil {
+		return r, err
+	}
+	if r.DType = dtypeByName(name); r.DType == nil {
+		return r, d.errAt(resolve(f["dtype"]), join(p, "dtype"), "unknown dtype (want one of %s)", strings.Join(dtypeNames(), ", "))
+	}
+	if r.Hidden, err = d.integer(f["hidden"], join(p, "hidden")); err != nil {
+		return r, err
+	}
+	r.HiddenAt = d.where(f["hidden"], join(p, "hidden"))
+	if r.World, err = d.integer(f["world_size"], join(p, "world_size")); err != nil {
+		return r, err
+	}
+	if !slices.Contains(worldSizes, r.World) {
+		return r, d.errAt(resolve(f["world_size"]), join(p, "world_size"), "unsupported world size (want one of %s)", intsText(worldSizes))
+	}
+	r.WorldAt = d.where(f["world_size"], join(p, "world_size"))
+	return r, nil
 }
 
 // tuningText reads a header field: free text, so any plain scalar is taken as written (an

@@ -172,8 +172,8 @@ func TestMatrixRejects(t *testing.T) {
 		{"groups:\n  - hidden: [2052]\n    dtypes: [bf16]" + tail, `:2: groups[0].hidden[0]: 2052: hidden size not a multiple of the bf16 vector width 8 (16-byte vectors)`},
 		{"groups:\n  - hidden: [8196]\n    dtypes: [fp32]" + tail, `:2: groups[0].hidden[0]: 8196: fp32 row needs 9 vectors per thread (max 8): it would not stay in registers`},
 		{"groups:\n  - models: [deepseek-v4]\n    dtypes: [bf16]" + tail, `:2: groups[0].models[0]: "deepseek-v4": unknown model (want one of deepseek-r1, deepseek-v3, gpt-oss-120b, qwen3-235b-a22b, qwen3-30b-a3b)`},
-		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [3]\n    algorithms: [oneshot]\n    outputs: [norm]\n", `:4: groups[0].world_sizes[0]: 3: unsupported world size (want one of 2, 4, 8, 16)`},
-		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [threeshot]\n    outputs: [norm]\n", `:5: groups[0].algorithms[0]: "threeshot": unknown algorithm (want one of oneshot, twoshot)`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [3]\n    algorithms: [oneshot]\n    outputs: [norm]\n", `:4: groups[0].world_sizes[0]: 3: unsupported world size (want one of 1, 2, 4, 8, 16)`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [threeshot]\n    outputs: [norm]\n", `:5: groups[0].algorithms[0]: "threeshot": unknown algorithm (want one of oneshot, twoshot, local)`},
 		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [oneshot]\n    outputs: [fp8]\n", `:6: groups[0].outputs[0]: "fp8": unknown output kind (want one of norm, fp8_static, fp8_token, fp8_group128)`},
 		{"groups:\n  - models: [gpt-oss-120b]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [oneshot]\n    outputs: [norm, fp8_group128]\n",
 			`:2: groups[0].models[0]: "gpt-oss-120b": hidden 2880 of this model: fp8_group128 needs a hidden size that is a multiple of 128 (one FP8 scale per group of 128 elements)`},
@@ -181,6 +181,13 @@ func TestMatrixRejects(t *testing.T) {
 		// cuts a group of 16 vectors in two.
 		{"groups:\n  - hidden: [2048, 2176]\n    dtypes: [bf16]\n    world_sizes: [8]\n    algorithms: [twoshot, oneshot]\n    outputs: [fp8_group128]\n",
 			`:2: groups[0].hidden[1]: 2176: fp8_group128: the bf16 oneshot plan gives each CTA 136 vectors and 160 threads per token, not whole groups of 16 vectors (128 elements)`},
+		// World size 1 is the local algorithm's alone, and local serves world size 1 alone.
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [2, 1]\n    algorithms: [oneshot]\n    outputs: [norm]\n",
+			`:4: groups[0].world_sizes[1]: 1: world size 1 has no all-reduce: it is served by algorithm local, not oneshot (give world size 1 a group of its own)`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [1, 4]\n    algorithms: [local]\n    outputs: [norm]\n",
+			`:4: groups[0].world_sizes[1]: 4: algorithm local is the world-size-1 op (no all-reduce): world size 4 needs an all-reduce algorithm (oneshot or twoshot) (give world size 1 a group of its own)`},
+		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]\n    world_sizes: [1]\n    algorithms: [local, twoshot]\n    outputs: [norm]\n",
+			`:4: groups[0].world_sizes[0]: 1: world size 1 has no all-reduce: it is served by algorithm local, not twoshot (give world size 1 a group of its own)`},
 		{"groups:\n  - hidden: [2048]\n    dtypes: [bf16]" + tail + "generic: yes please\n", `:7: generic: "yes please": want true, false or a list of {dtypes, algorithms, outputs}, got a string`},
 		{"groups:\n  - models: [qwen3-30b-a3b]\n    dtypes: [bf16]" + tail + "  - hidden: [2048, 4096]\n    dtypes: [bf16]" + tail,
 			`:7: groups[1]: "arfuse_bf16_h2048_w8_oneshot_norm": duplicate variant (groups[0] at line 2 produces it too)`},
@@ -217,10 +224,11 @@ thresholds:
 		t.Errorf("rows not sorted in a copy: %+v", g.Tuning.Rows)
 	}
 	head := "card: c\ndate: \"2025-01-31\"\ncommit: 0123456\ncommand: bench\n"
+	split := "thresholds: []\nmin_blocks_splits:\n  card: c\n  date: \"2025-01-31\"\n  commit: 0123456\n  command: x\n  rows:\n"
 	cases := []struct{ text, want string }{
 		{"card: \"\"\ndate: \"\"\ncommit: \"\"\ncommand: \"\"\nthresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 1}\n",
 			`:1: card: "": required once thresholds has rows (say where they were measured)`},
-		{head + "thresholds: []\nextra: 1\n", `:6: extra: unknown key (want one of card, date, commit, command, thresholds)`},
+		{head + "thresholds: []\nextra: 1\n", `:6: extra: unknown key (want one of card, date, commit, command, thresholds, min_blocks_splits)`},
 		{"card: c\ndate: \"2025\"\ncommit: 0123456\ncommand: bench\nthresholds: []\n", `:2: date: "2025": want YYYY-MM-DD`},
 		{"card: c\ndate: 2025-01-31\ncommit: main\ncommand: bench\nthresholds: []\n", `:3: commit: "main": want a git commit hash (7 to 40 lower-case hex digits)`},
 		{"card: [c]\ndate: 2025-01-31\ncommit: 0123456\ncommand: bench\nthresholds: []\n", `:1: card: want a string, got a list`},
@@ -229,10 +237,26 @@ thresholds:
 		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 0}\n", `:6: thresholds[0].oneshot_max_tokens: 0: threshold must be positive`},
 		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: -4}\n", `:6: thresholds[0].oneshot_max_tokens: -4: threshold must be positive`},
 		{head + "thresholds:\n  - {dtype: bf16, hidden: 7170, world_size: 8, oneshot_max_tokens: 4}\n", `:6: thresholds[0].hidden: 7170: hidden size not a multiple of the bf16 vector width 8 (16-byte vectors)`},
-		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 6, oneshot_max_tokens: 4}\n", `:6: thresholds[0].world_size: 6: unsupported world size (want one of 2, 4, 8, 16)`},
+		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 6, oneshot_max_tokens: 4}\n", `:6: thresholds[0].world_size: 6: unsupported world size (want one of 1, 2, 4, 8, 16)`},
+		{head + "thresholds:\n  - {dtype: bf16, hidden: 2048, world_size: 1, oneshot_max_tokens: 4}\n", `:6: thresholds[0].world_size: 1: world size 1 runs algorithm local only: there is no one-shot/two-shot threshold to tune`},
 		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8}\n", `:6: thresholds[0].oneshot_max_tokens: required key missing`},
 		{head + "thresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 4}\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 8}\n",
 			`:7: thresholds[1]: duplicate row: thresholds[0] has the same dtype, hidden and world_size`},
+		// The token splits (min_blocks_splits): their own provenance, then rows the plan checks.
+		{head + "thresholds: []\nmin_blocks_splits:\n  card: c\n  date: \"2025-01-31\"\n  commit: 0123456\n  rows: []\n", `:7: min_blocks_splits.command: required key missing`},
+		{head + "thresholds: []\nmin_blocks_splits:\n  card: \"\"\n  date: \"2025-01-31\"\n  commit: 0123456\n  command: x\n  rows: []\n", `:7: min_blocks_splits.card: "": required (say where the rows were measured)`},
+		{head + "thresholds: []\nmin_blocks_splits:\n  card: c\n  date: \"2025-01\"\n  commit: 0123456\n  command: x\n  rows: []\n", `:8: min_blocks_splits.date: "2025-01": want YYYY-MM-DD`},
+		{head + split + "    - {dtype: bf16, hidden: 4096, world_size: 2, algorithm: threeshot, out: norm, unbound_max_tokens: 256}\n", `:12: min_blocks_splits.rows[0].algorithm: "threeshot": unknown algorithm (want one of oneshot, twoshot, local)`},
+		{head + split + "    - {dtype: bf16, hidden: 4096, world_size: 2, algorithm: twoshot, out: fp4, unbound_max_tokens: 256}\n", `:12: min_blocks_splits.rows[0].out: "fp4": unknown output kind (want one of norm, fp8_static, fp8_token, fp8_group128)`},
+		{head + split + "    - {dtype: bf16, hidden: 4096, world_size: 2, algorithm: twoshot, out: norm, unbound_max_tokens: 0}\n", `:12: min_blocks_splits.rows[0].unbound_max_tokens: 0: token count must be positive`},
+		{head + split + "    - {dtype: bf16, hidden: 4096, world_size: 2, algorithm: twoshot, out: norm}\n", `:12: min_blocks_splits.rows[0].unbound_max_tokens: required key missing`},
+		{head + split + "    - {dtype: bf16, hidden: 4096, world_size: 2, algorithm: twoshot, out: norm, unbound_max_tokens: 256}\n    - {dtype: bf16, hidden: 4096, world_size: 2, algorithm: twoshot, out: norm, unbound_max_tokens: 64}\n",
+			`:13: min_blocks_splits.rows[1]: duplicate row: rows[0] has the same dtype, hidden, world_size, algorithm and out`},
+		{head + split + "    - {dtype: bf16, hidden: 4096, world_size: 1, algorithm: twoshot, out: norm, unbound_max_tokens: 256}\n", `:12: min_blocks_splits.rows[0].world_size: 1: world size 1 has no all-reduce: it is served by algorithm local, not twoshot`},
+		{head + split + "    - {dtype: bf16, hidden: 4100, world_size: 2, algorithm: twoshot, out: norm, unbound_max_tokens: 256}\n", `:12: min_blocks_splits.rows[0].hidden: 4100: hidden size not a multiple of the bf16 vector width 8 (16-byte vectors)`},
+		{head + split + "    - {dtype: bf16, hidden: 2880, world_size: 2, algorithm: twoshot, out: fp8_group128, unbound_max_tokens: 256}\n", `:12: min_blocks_splits.rows[0].hidden: 2880: fp8_group128 needs a hidden size that is a multiple of 128 (one FP8 scale per group of 128 elements)`},
+		{head + split + "    - {dtype: bf16, hidden: 7168, world_size: 8, algorithm: oneshot, out: norm, unbound_max_tokens: 16}\n",
+			`:12: min_blocks_splits.rows[0]: the plan of arfuse_bf16_h7168_w8_oneshot_norm asks for no blocks-per-SM bound: there is no unbound twin to build (plan.go: twoShotMinBlocks, minBlocksAbove)`},
 	}
 	for _, c := range cases {
 		// Parsed by the model, the hidden size checked by the plan.

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"slices"
 	"sort"
+	"strings"
 )
 
 // Plan is the kernel shape of one variant.
@@ -40,6 +41,9 @@ type Variant struct {
 	Out     *OutKind
 	Models  []string // models whose hidden size this is, sorted
 	Plan    Plan
+	// MaxTokens: 0, the instance serves every token count; else it is a token split's twin
+	// (splitByTokens), served for T <= MaxTokens, its sibling above.
+	MaxTokens int
 }
 
 // variantName is the one name of a variant: file name, symbol, dispatch key and --only key.
@@ -62,8 +66,45 @@ func hiddenRule(dt *DType, hidden int) string {
 	return ""
 }
 
+// worldRule returns why algo cannot serve world size world, or "" if it can: world size 1 has no
+// all-reduce and is the local algorithm's alone; the all-reduce algorithms serve 2 and up.
+func worldRule(algo *Algo, world int) string {
+	switch {
+	case algo.Local && world != 1:
+		return fmt.Sprintf("algorithm %s is the world-size-1 op (no all-reduce): world size %d needs an all-reduce algorithm (%s)",
+			algo.Name, world, allReduceAlgoNames())
+	case !algo.Local && world == 1:
+		return fmt.Sprintf("world size 1 has no all-reduce: it is served by algorithm %s, not %s", localAlgo().Name, algo.Name)
+	}
+	return ""
+}
+
+func localAlgo() *Algo {
+	for _, a := range algos {
+		if a.Local {
+			return a
+		}
+	}
+	return nil
+}
+
+func allReduceAlgoNames() string {
+	var s []string
+	for _, a := range algos {
+		if !a.Local {
+			s = append(s, a.Name)
+		}
+	}
+	return strings.Join(s, " or ")
+}
+
 // planSpecialised plans a variant with hidden size and world size fixed at compile time, or
 // returns why it cannot be built.
+//
+// The local algorithm (world size 1) is planned as one-shot is: its kernel is the one-shot body
+// without the exchange (finalize, residual and norm of a token in one pass, the row in
+// registers), and splitting a token's row over a cluster spreads its loads over several SMs
+// where T is small, while at large T the clusters of many tokens fill the GPU anyway.
 //
 // One-shot serves the small token counts, where latency is one token's: a token's row is split
 // over a thread-block cluster (the largest of clusterSizes, 8/4/2 CTAs, that divides the row and
@@ -282,6 +323,15 @@ func (pl *planner) expand(m *Matrix) ([]*Variant, error) {
 	}
 	var used []combo
 	for _, g := range m.Groups {
+		// Every world size of the group must be served by every algorithm of it (a group is a
+		// cross product: world size 1 goes in a group of its own, with algorithm local).
+		for i, w := range g.Worlds {
+			for _, algo := range g.Algos {
+				if rule := worldRule(algo, w); rule != "" {
+					return nil, g.WorldsAt[i].Errorf("%s (give world size 1 a group of its own)", rule)
+				}
+			}
+		}
 		// Hidden sizes of one group form a set: two models may share a size (DeepSeek-V3/R1).
 		var sizes []int
 		models := map[int][]string{}
@@ -359,12 +409,65 @@ func (pl *planner) expand(m *Matrix) ([]*Variant, error) {
 }
 
 // checkTuning applies the plan's hidden-size rule to every measured threshold row: a row for a
-// size no specialised plan serves is a mistake in the tuning file.
+// size no specialised plan serves is a mistake in the tuning file. A token split's row must name
+// an instance the plan can build and whose plan asks for a blocks-per-SM bound (else there is
+// nothing to build without it).
 func checkTuning(t *Tuning) error {
 	for _, r := range t.Rows {
+		if r.World == 1 {
+			return r.WorldAt.Errorf("world size 1 runs algorithm %s only: there is no one-shot/two-shot threshold to tune", localAlgo().Name)
+		}
 		if rule := hiddenRule(r.DType, r.Hidden); rule != "" {
 			return r.HiddenAt.Errorf("%s", rule)
 		}
 	}
+	for _, r := range t.Splits.Rows {
+		if rule := worldRule(r.Algo, r.World); rule != "" {
+			return r.WorldAt.Errorf("%s", rule)
+		}
+		if rule := groupSizeRule(r.Hidden, r.Out); rule != "" {
+			return r.HiddenAt.Errorf("%s", rule)
+		}
+		p, err := planSpecialised(r.DType, r.Hidden, r.Algo)
+		if err != nil {
+			return r.HiddenAt.Errorf("%s", err)
+		}
+		if rule := groupPlanRule(r.DType, r.Algo, r.Out, p); rule != "" {
+			return r.HiddenAt.Errorf("%s", rule)
+		}
+		if p.MinBlocksPerSM == 0 {
+			return r.At.Errorf("the plan of %s asks for no blocks-per-SM bound: there is no unbound twin to build (plan.go: twoShotMinBlocks, minBlocksAbove)",
+				variantName(r.DType, r.Hidden, r.World, r.Algo, r.Out))
+		}
+	}
 	return nil
 }
+
+// splitByTokens adds, for every token-split row of the tuning file whose instance the matrix
+// builds, that instance's twin: the same plan without the blocks-per-SM bound (ptxas's own
+// register choice), served for T <= the row's unbound_max_tokens. A bound that buys occupancy
+// with spills pays where T is large enough to fill the GPU and costs where it is not: the
+// 256-thread two-shot plan at H = 4096 (twoShotMinBlocks) is 7-10 % faster at T >= 1024 with
+// it and up to 8 % slower at mid T (kernel-ab-187a843, docs/performance.md); the dispatch table
+// (csrc/dispatch.cpp find_instance) picks by T.
+func splitByTokens(variants []*Variant, t *Tuning) []*Variant {
+	out := slices.Clone(variants)
+	for _, r := range t.Splits.Rows {
+		name := variantName(r.DType, r.Hidden, r.World, r.Algo, r.Out)
+		i := slices.IndexFunc(variants, func(v *Variant) bool { return v.Name == name })
+		if i < 0 {
+			continue // the matrix does not build this instance
+		}
+		twin := *variants[i]
+		twin.Name = twinName(name, r.UnboundMaxTokens)
+		twin.Models = slices.Clone(twin.Models)
+		twin.Plan.MinBlocksPerSM = 0
+		twin.MaxTokens = r.UnboundMaxTokens
+		out = append(out, &twin)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out
+}
+
+// twinName is the one name of a token split's twin: its sibling's name and the largest T it serves.
+func twinName(name string, maxTokens int) string { return fmt.Sprintf("%s_upto%d", name, maxTokens) }

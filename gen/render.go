@@ -188,6 +188,7 @@ type manifestVariant struct {
 	DType     string       `json:"dtype"`
 	Generic   bool         `json:"generic"`
 	Hidden    int          `json:"hidden"`
+	MaxTokens int          `json:"max_tokens"` // 0: every T; else a token split's twin, T <= this
 	Models    []string     `json:"models"`
 	Name      string       `json:"name"`
 	Output    string       `json:"output"`
@@ -211,12 +212,30 @@ type manifestPlan struct {
 }
 
 type manifestTuning struct {
-	Card       string              `json:"card"`
-	Command    string              `json:"command"`
-	Commit     string              `json:"commit"`
-	Date       string              `json:"date"`
-	File       string              `json:"file"`
-	Thresholds []manifestThreshold `json:"thresholds"`
+	Card            string              `json:"card"`
+	Command         string              `json:"command"`
+	Commit          string              `json:"commit"`
+	Date            string              `json:"date"`
+	File            string              `json:"file"`
+	MinBlocksSplits manifestSplitTable  `json:"min_blocks_splits"`
+	Thresholds      []manifestThreshold `json:"thresholds"`
+}
+
+type manifestSplitTable struct {
+	Card    string          `json:"card"`
+	Command string          `json:"command"`
+	Commit  string          `json:"commit"`
+	Date    string          `json:"date"`
+	Rows    []manifestSplit `json:"rows"`
+}
+
+type manifestSplit struct {
+	Algorithm        string `json:"algorithm"`
+	DType            string `json:"dtype"`
+	Hidden           int    `json:"hidden"`
+	Output           string `json:"output"`
+	UnboundMaxTokens int    `json:"unbound_max_tokens"`
+	WorldSize        int    `json:"world_size"`
 }
 
 type manifestThreshold struct {
@@ -240,13 +259,17 @@ func renderManifest(g *Gen) ([]byte, error) {
 		Tuning: manifestTuning{
 			Card: g.Tuning.Card, Command: g.Tuning.Command, Commit: g.Tuning.Commit,
 			Date: g.Tuning.Date, File: g.Tuning.File, Thresholds: []manifestThreshold{},
+			MinBlocksSplits: manifestSplitTable{
+				Card: g.Tuning.Splits.Card, Command: g.Tuning.Splits.Command,
+				Commit: g.Tuning.Splits.Commit, Date: g.Tuning.Splits.Date, Rows: []manifestSplit{},
+			},
 		},
 	}
 	for _, v := range g.Variants {
 		p := v.Plan
 		m.Instances = append(m.Instances, manifestVariant{
 			Algorithm: v.Algo.Name, DType: v.DType.Name, Generic: v.Generic, Hidden: v.Hidden,
-			Models: append([]string{}, v.Models...), Name: v.Name, Output: v.Out.Name,
+			MaxTokens: v.MaxTokens, Models: append([]string{}, v.Models...), Name: v.Name, Output: v.Out.Name,
 			Source: "kernels/" + v.Name + ".cu", WorldSize: v.World,
 			Plan: manifestPlan{
 				BlockThreads: p.BlockThreads, Cluster: p.Cluster, MaxHidden: p.MaxHidden,
@@ -259,6 +282,12 @@ func renderManifest(g *Gen) ([]byte, error) {
 	for _, r := range g.Tuning.Rows {
 		m.Tuning.Thresholds = append(m.Tuning.Thresholds, manifestThreshold{
 			DType: r.DType.Name, Hidden: r.Hidden, OneshotMaxTokens: r.OneshotMaxTokens, WorldSize: r.World,
+		})
+	}
+	for _, r := range g.Tuning.Splits.Rows {
+		m.Tuning.MinBlocksSplits.Rows = append(m.Tuning.MinBlocksSplits.Rows, manifestSplit{
+			Algorithm: r.Algo.Name, DType: r.DType.Name, Hidden: r.Hidden, Output: r.Out.Name,
+			UnboundMaxTokens: r.UnboundMaxTokens, WorldSize: r.World,
 		})
 	}
 	data, err := json.MarshalIndent(m, "", "  ")

@@ -14,7 +14,7 @@ import "slices"
 
 // apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
 // Every generated C++ file static_asserts on it so that stale output stops compiling.
-const apiVersion = 10
+const apiVersion = 12
 
 // ---- kernel limits ----------------------------------------------------------------------------
 
@@ -70,20 +70,26 @@ var dtypes = []*DType{
 	{Name: "fp32", Torch: "float32", CType: "float", Enum: "arfuse::DType::kFP32", Size: 4},
 }
 
-// Algo is one all-reduce algorithm.
+// Algo is one algorithm of the fused op: an all-reduce algorithm for world sizes 2 and up, or
+// local, the world-size-1 op (finalize + shared add + residual + RMSNorm with no communication,
+// no workspace and no waits: single-GPU serving).
 type Algo struct {
 	Name string
 	Enum string
+	// Local: the algorithm of world size 1 and of no other. The all-reduce algorithms serve world
+	// sizes 2 and up only (worldRule in plan.go).
+	Local bool
 }
 
-// algoAuto is arfuse::Algo::kAuto (value 0): resolved on the host from the tuned threshold, so it
-// is never instantiated and not in algos, the algorithms a kernel instance is built for (values
-// 1, 2, ...).
+// algoAuto is arfuse::Algo::kAuto (value 0): resolved on the host (local at world size 1, else
+// one-shot or two-shot by the tuned threshold), so it is never instantiated and not in algos, the
+// algorithms a kernel instance is built for (values 1, 2, ...).
 var algoAuto = &Algo{Name: "auto", Enum: "arfuse::Algo::kAuto"}
 
 var algos = []*Algo{
 	{Name: "oneshot", Enum: "arfuse::Algo::kOneShot"},
 	{Name: "twoshot", Enum: "arfuse::Algo::kTwoShot"},
+	{Name: "local", Enum: "arfuse::Algo::kLocal", Local: true},
 }
 
 // allAlgos is the whole arfuse::Algo enum in value order.
@@ -145,8 +151,9 @@ var outKinds = []*OutKind{
 }
 
 // worldSizes are the tensor-parallel group sizes a specialised instance may be built for (the
-// generic instances serve any size up to maxWorld).
-var worldSizes = []int{2, 4, 8, 16}
+// generic instances of the all-reduce algorithms serve any size from 2 up to maxWorld; world
+// size 1 is the local algorithm's, whose generic instance serves any hidden size at world size 1).
+var worldSizes = []int{1, 2, 4, 8, 16}
 
 // ---- torch ops --------------------------------------------------------------------------------
 
@@ -213,7 +220,7 @@ var ops = []Op{
 	{Name: "defer_launches", Signature: "(bool enable) -> ()", Kernels: anywhere("defer_launches")},
 	{Name: "flush_launches", Signature: "(bool launch) -> int", Kernels: anywhere("flush_launches")},
 	{Name: "supported_variants", Signature: "() -> str[]", Kernels: anywhere("supported_variants")},
-	{Name: "instance_for", Signature: "(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind) -> str", Kernels: anywhere("instance_for")},
+	{Name: "instance_for", Signature: "(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind, int num_tokens=-1) -> str", Kernels: anywhere("instance_for")},
 	{Name: "oneshot_threshold", Signature: "(ScalarType dtype, int hidden, int world_size) -> int", Kernels: anywhere("oneshot_threshold")},
 }
 

@@ -207,9 +207,10 @@ type pyVocab struct {
 		Torch string `json:"torch"`
 		Bytes int    `json:"bytes"`
 	} `json:"dtypes"`
-	Algorithms []string       `json:"algorithms"`
-	Outputs    []pyOutput     `json:"outputs"`
-	Limits     map[string]int `json:"limits"`
+	Algorithms      []string       `json:"algorithms"`
+	LocalAlgorithms []string       `json:"local_algorithms"`
+	Outputs         []pyOutput     `json:"outputs"`
+	Limits          map[string]int `json:"limits"`
 }
 
 // arfuse/_vocab.py holds the tables as JSON; it must be exactly what the Go tables say.
@@ -234,6 +235,11 @@ func TestPythonVocabulary(t *testing.T) {
 		}{d.Name, d.Torch, d.Size})
 	}
 	want.Algorithms = namesOf(allAlgos())
+	for _, a := range algos {
+		if a.Local {
+			want.LocalAlgorithms = append(want.LocalAlgorithms, a.Name)
+		}
+	}
 	for _, o := range outKinds {
 		want.Outputs = append(want.Outputs, pyOutput{o.Name, o.Torch, o.Scales.Name, o.Group, o.Bounded, o.Layouts})
 	}

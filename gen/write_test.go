@@ -195,7 +195,7 @@ func TestTemplatesFailLoudly(t *testing.T) {
 }
 
 func TestManifestKeysSorted(t *testing.T) {
-	tu := &Tuning{File: "t.yaml", Rows: []Threshold{{DType: dtypes[0], Hidden: 7168, World: 8, OneshotMaxTokens: 64}}}
+	tu := &Tuning{File: "t.yaml", Rows: []Threshold{{RowAxes: RowAxes{DType: dtypes[0], Hidden: 7168, World: 8}, OneshotMaxTokens: 64}}}
 	p, _ := planSpecialised(dtypes[0], 7168, algos[0])
 	v := &Variant{Name: "n", DType: dtypes[0], Hidden: 7168, World: 8, Algo: algos[0], Out: outKinds[0], Plan: p}
 	data, err := renderManifest(newGen("m.yaml", nil, []*Variant{v}, tu))

@@ -21,6 +21,10 @@
 #                     moe_sum + copy + scale/shared + AR/norm) for the four models below at their N
 #   BENCH_LADDER=1    first: issue 16's latency ladder (python -m arfuse.bench.ladder) for the four
 #                     configurations of its table, T = LADDER_TOKENS (default 1,2,4,8,16)
+#   BENCH_LOCAL=1     instead of the models: issue 21's world-size-1 runs (--world-size 1, the
+#                     local algorithm) for the single-GPU models, on vLLM's router-weighted dense
+#                     rows (arfuse vs arfuse's separate kernels vs "vLLM today" vs vLLM's own
+#                     kernels where vLLM is importable: PYTHONPATH), and one permuted run
 #   BENCH_ARGS        more arguments for every python -m arfuse.bench
 #   DEADLINE_S        seconds from the start after which no run starts and a running one is cut
 #                     (default 540)
@@ -95,6 +99,26 @@ if [ -n "${BENCH_VLLM_TODAY:-}" ]; then
     one_run "vllm-today-$model-w$n" --model "$model" --world-size "$n" --layout dense \
       --weights-dtype none --impls arfuse,unfused,vllm_today "$@" || break
   done
+  BENCH_MODELS=""
+fi
+# Issue 21: world size 1 (one GPU, no all-reduce), each model with its own tail (DeepSeek-V3:
+# shared expert and routed scale 2.5; the others neither).
+local_runs=(
+  "qwen3-30b-a3b --no-shared"
+  "gpt-oss-20b --no-shared"
+  "mixtral-8x7b --no-shared"
+  "llama-4-scout"
+  "deepseek-v3 --routed-scaling 2.5"
+)
+if [ -n "${BENCH_LOCAL:-}" ]; then
+  for run in "${local_runs[@]}"; do
+    set -- $run
+    model=$1; shift
+    one_run "local-$model-w1" --model "$model" --world-size 1 --layout dense \
+      --weights-dtype none --impls arfuse,unfused,vllm_today,vllm_ops "$@" || break
+  done
+  one_run "local-permuted-qwen3-30b-a3b-w1" --model qwen3-30b-a3b --world-size 1 \
+    --impls arfuse,unfused,torch
   BENCH_MODELS=""
 fi
 for model in ${BENCH_MODELS-deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b gpt-oss-120b}; do

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks what arfuse's vLLM integration uses (the table in arfuse/vllm/contract.py) against vLLM
+"""Checks what arfuse's vLLM integration uses (the table in arfuse/vllm/contract/) against vLLM
 releases, without installing them.
 
     scripts/vllm_contract.py                 every supported release, from PyPI
@@ -8,10 +8,10 @@ releases, without installing them.
                                              inspect; needs torch and vLLM, no GPU)
 
 Static mode: for each release, `pip download vllm==X --no-deps --no-cache-dir` into a temporary
-folder, read the needed .py files straight out of the wheel (zipfile) and check every item with an
-AST (arfuse/vllm/contract_ast.py), then delete the wheel. Prints a table (item x release -> ok /
-changed / missing), the details of everything not ok, the time and the peak disk (the wheel) per
-release. Exit status 1 when an item the integration needs (hook, pass, slot; see the table's
+folder, read the needed .py files straight out of the wheel (zipfile, here) and check every item
+with the AST check (arfuse/vllm/contract/source.py), then delete the wheel. Prints a table (item x
+release -> ok / changed / missing), the details of everything not ok, the time and the peak disk
+(the wheel) per release. Exit status 1 when an item the integration needs (hook, pass, slot; see the table's
 docstring) is missing on a supported release, 0 otherwise, 2 on a download failure.
 
 Standard library only (pip as a subprocess); the table is loaded by path, so neither torch nor
@@ -29,27 +29,47 @@ import subprocess
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PKG = REPO / "arfuse" / "vllm"
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+CONTRACT = REPO / "arfuse" / "vllm" / "contract"
 
 
 def _tables():
-    if __package__ or "arfuse.vllm.contract" in sys.modules:
-        from arfuse.vllm import contract, contract_ast  # noqa: PLC0415
-        return contract, contract_ast
-    contract = _load("arfuse_vllm_contract", PKG / "contract.py")
-    contract_ast = _load("arfuse_vllm_contract_ast", PKG / "contract_ast.py")
-    return contract, contract_ast
+    """The contract package (its data, Result, and the AST check `source`), loaded by path as a
+    package of its own: neither arfuse's import (torch) nor vLLM is needed."""
+    name = "arfuse_vllm_contract"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, CONTRACT / "__init__.py", submodule_search_locations=[str(CONTRACT)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[name] = package
+        spec.loader.exec_module(package)
+    contract = sys.modules[name]
+    return contract, importlib.import_module(f"{name}.source")
+
+
+def zip_source(source_module, wheel: str):
+    """A released wheel as a Source of the AST check: its `vllm/...` files read from the zip."""
+
+    class ZipSource(source_module.Source):
+        def __init__(self) -> None:
+            self.zip = zipfile.ZipFile(wheel)
+            self.names = set(self.zip.namelist())
+
+        def read(self, path: str) -> str | None:
+            if path not in self.names:
+                return None
+            return self.zip.read(path).decode("utf-8", errors="replace")
+
+        def binaries(self) -> list[str]:
+            return sorted(n for n in self.names if n.startswith("vllm/_C") and n.endswith(".so"))
+
+        def read_bytes(self, path: str) -> bytes:
+            return self.zip.read(path)
+
+    return ZipSource()
 
 
 SYMBOL = {"ok": "ok", "changed": "CHANGED", "missing": "MISSING"}
@@ -94,13 +114,13 @@ def _dir_size(path: str) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def check_release(contract, contract_ast, version: str, source_dir: str | None) -> tuple[list, dict]:
+def check_release(contract, source_check, version: str, source_dir: str | None) -> tuple[list, dict]:
     start = time.monotonic()
     stats: dict[str, float] = {}
     if source_dir:
-        source = contract_ast.DirSource(os.path.join(source_dir, version))
-        results = [contract_ast.check(contract_ast.Index(source), i, contract.Result)
-                   for i in contract.ITEMS]
+        source = source_check.DirSource(os.path.join(source_dir, version))
+        index = source_check.Index(source)
+        results = [source_check.check(index, i) for i in contract.ITEMS]
         stats["seconds"] = time.monotonic() - start
         return results, stats
     tmp = tempfile.mkdtemp(prefix=f"vllm-{version}-")
@@ -108,8 +128,8 @@ def check_release(contract, contract_ast, version: str, source_dir: str | None) 
         wheel = _pip_download(version, tmp)
         stats["download_s"] = time.monotonic() - start
         stats["peak_mb"] = _dir_size(tmp) / 2**20
-        index = contract_ast.Index(contract_ast.ZipSource(str(wheel)))
-        results = [contract_ast.check(index, i, contract.Result) for i in contract.ITEMS]
+        index = source_check.Index(zip_source(source_check, str(wheel)))
+        results = [source_check.check(index, i) for i in contract.ITEMS]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     stats["seconds"] = time.monotonic() - start
@@ -117,11 +137,11 @@ def check_release(contract, contract_ast, version: str, source_dir: str | None) 
 
 
 def run_static(versions: list[str], source_dir: str | None) -> int:
-    contract, contract_ast = _tables()
+    contract, source_check = _tables()
     results: dict[str, list] = {}
     for v in versions:
         try:
-            results[v], stats = check_release(contract, contract_ast, v, source_dir)
+            results[v], stats = check_release(contract, source_check, v, source_dir)
         except (subprocess.CalledProcessError, RuntimeError) as e:
             print(f"vllm {v}: download failed: {e}", file=sys.stderr)
             return 2
@@ -146,9 +166,10 @@ def run_static(versions: list[str], source_dir: str | None) -> int:
 def run_installed() -> int:
     sys.path.insert(0, str(REPO))
     from arfuse.vllm import contract  # noqa: PLC0415
+    from arfuse.vllm.contract.installed import check_installed  # noqa: PLC0415
     import vllm  # noqa: PLC0415
 
-    results = contract.check_installed()
+    results = check_installed()
     version = vllm.__version__
     print_table(contract, [version], {version: results})
     print_details([version], {version: results})

@@ -14,6 +14,7 @@ import pytest
 from arfuse.bench import byte_counts as BB
 from arfuse.bench import report as BR
 from arfuse.bench import cli as bench
+from arfuse.bench import outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +52,7 @@ def test_help_exits_zero_without_gpu_or_library():
             "try:\n"
             "    runpy.run_module('arfuse.bench', run_name='__main__', alter_sys=True)\n"
             "except SystemExit as e:\n"
-            "    assert 'arfuse.bench.gpu' not in sys.modules, 'GPU module imported'\n"
+            "    assert not [m for m in ('group', 'inputs', 'impls', 'timing', 'run') if 'arfuse.bench.' + m in sys.modules], 'GPU modules imported'\n"
             "    sys.exit(e.code)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        timeout=60, env={**os.environ, "ARFUSE_LIBRARY": "/nonexistent/lib.so"})
@@ -150,11 +151,11 @@ def test_impls_tune_and_plain():
 
 def test_output_stem_and_command():
     ns = parse(["--emulate", "--hidden", "4096", "--topk", "8", "--dtype", "fp16"])
-    assert bench.output_stem(ns) == "bench_h4096k8_emu8_fp16_permuted"
-    assert bench.command_line(ns, ["--emulate", "--hidden", "4096"]).startswith(
+    assert outputs.output_stem(ns) == "bench_h4096k8_emu8_fp16_permuted"
+    assert outputs.command_line(ns, ["--emulate", "--hidden", "4096"]).startswith(
         "python -m arfuse.bench --emulate")
     ns = parse(["--hidden", "4096", "--topk", "8"], env_world=2)
-    assert bench.command_line(ns, ["--hidden", "4096"]).startswith(
+    assert outputs.command_line(ns, ["--hidden", "4096"]).startswith(
         "torchrun --nproc-per-node=2 -m arfuse.bench")
 
 
@@ -204,6 +205,27 @@ def test_unfused_bytes_by_hand():
     # T=4, H=16, K=2, N=2, bf16, dense: finalize 416 + write 128 = 544
     # plain op one-shot: read 128, push/peer/clear 768, residual 128, gamma 32, outputs 256 = 1312
     assert BB.unfused_bytes("oneshot", "dense", 4, 16, 2, 2, 2) == 544 + 1312
+
+
+def test_local_bytes_by_hand():
+    # World size 1 (no all-reduce). T=4, H=16, K=2, N=1, bf16, dense, fp32 weights, shared:
+    # F_in 416 (as above), residual 128, gamma 32, outputs 256             -> 832
+    assert BB.op_bytes("local", "dense", 4, 16, 2, 1, 2) == 416 + 128 + 32 + 256
+    # unfused: finalize 416 + its [T, H] write 128, then the plain local op (= vLLM's
+    # fused_add_rms_norm: x and residual read, both written, gamma): 128 + 128 + 32 + 256
+    assert BB.unfused_bytes("local", "dense", 4, 16, 2, 1, 2) == 544 + 544
+    # vLLM's tail at TP 1 without shared expert or scale: moe_sum 256 + 128, copy 256, norm 544
+    assert BB.vllm_today_bytes("local", 4, 16, 2, 1, 2, shared=False) == 384 + 256 + 544
+    # auto at world size 1 is local, needing no threshold; vllm_ops counts as vllm_today
+    assert BB.resolve_algorithm("auto", 4096, None, 1) == "local"
+    assert BB.impl_bytes("arfuse", "dense", 4, 16, 2, 1, 2, oneshot_max_tokens=None) == 832
+    assert BB.impl_bytes("vllm_ops", "dense", 4, 16, 2, 1, 2, oneshot_max_tokens=None,
+                         weight_elem=0, shared=False) == \
+        BB.vllm_today_bytes("local", 4, 16, 2, 1, 2, shared=False)
+    with pytest.raises(ValueError, match="does not serve world size 2"):
+        BB.op_bytes("local", "dense", 4, 16, 2, 2, 2)
+    with pytest.raises(ValueError, match="does not serve world size 1"):
+        BB.op_bytes("oneshot", "dense", 4, 16, 2, 1, 2)
 
 
 def test_impl_bytes_dispatch():
@@ -403,7 +425,7 @@ def test_write_outputs_from_synthetic_run(tmp_path, monkeypatch):
            "notes": ["a note"], "checks": [], "failed_check": [], "aborted": None,
            "is_main": True, "l2_bytes": 60 << 20, "card": "Fake GPU", "flashinfer": None,
            "flashinfer_api": None}
-    paths = bench.write_outputs(ns, res, ["--emulate", "--tune"])
+    paths = outputs.write_outputs(ns, res, ["--emulate", "--tune"])
     assert set(paths) == {"csv", "md", "json", "yaml", "png"}
     env = json.loads(paths["json"].read_text())
     assert env["card"] == "Fake GPU" and env["arfuse_commit"] == "deadbeef"
@@ -440,9 +462,9 @@ class _SeqGroup:
 def _cpu_setup(layout, dtype_name="bf16", N=3, H=64, K=4, shared=True, scaling=2.5,
                weight_bias=0.0):
     torch = pytest.importorskip("torch")
-    from arfuse.bench import gpu as BC
+    from arfuse.bench import group
 
-    dtype = BC.TORCH_DTYPES[dtype_name]
+    dtype = group.TORCH_DTYPES[dtype_name]
     args = SimpleNamespace(hidden=H, topk=1 if layout == "plain" else K, layout=layout,
                            shared=shared, routed_scaling=scaling, eps=1e-6,
                            weight_bias=weight_bias, absent_frac=0.25 if layout == "permuted"
@@ -450,7 +472,7 @@ def _cpu_setup(layout, dtype_name="bf16", N=3, H=64, K=4, shared=True, scaling=2
                            comm_timeout=1.0, weights_dtype="fp32")
     g = torch.Generator().manual_seed(0)
     gamma = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
-    return BC, BC.Setup(args=args, dtype=dtype, elem=gamma.element_size(),
+    return group.Setup(args=args, dtype=dtype, elem=gamma.element_size(),
                         weight_dtype=torch.float32, device=torch.device("cpu"), emulated=True,
                         world_size=N, rank=0, ranks=list(range(N)), gamma=gamma,
                         gamma_plus=gamma.float() + weight_bias, group=_SeqGroup(N))
@@ -459,8 +481,9 @@ def _cpu_setup(layout, dtype_name="bf16", N=3, H=64, K=4, shared=True, scaling=2
 @pytest.mark.parametrize("layout", ["permuted", "dense", "plain"])
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
 def test_torch_composition_matches_reference(layout, dtype_name):
-    BC, st = _cpu_setup(layout, dtype_name, weight_bias=1.0 if layout == "dense" else 0.0)
-    sets = BC.make_sets(st, 5, 2)
+    st = _cpu_setup(layout, dtype_name, weight_bias=1.0 if layout == "dense" else 0.0)
+    from arfuse.bench import impls as BM, inputs as BI
+    sets = BI.make_sets(st, 5, 2)
     assert len(sets) == 2 and set(sets[0]) == {0, 1, 2}
     a, b = sets[0][0], sets[0][1]
     assert a.residual.equal(b.residual)                       # replicated
@@ -470,35 +493,36 @@ def test_torch_composition_matches_reference(layout, dtype_name):
     if layout == "permuted":
         assert a.idx.dtype.is_floating_point is False and a.idx.shape == (5, 4)
         assert (a.idx >= 0).sum() == a.valid_rows
-        assert 0 < BC.mean_valid_rows(sets) <= 20
-    ref = BC.reference(st, sets[0])
-    outs = BC.TorchEmulated(st, sets).once(0)
+        assert 0 < BI.mean_valid_rows(sets) <= 20
+    ref = BI.reference(st, sets[0])
+    outs = BM.TorchEmulated(st, sets).once(0)
     assert len(outs) == 3
     for norm, res in outs:
         assert norm.dtype == st.dtype and res.dtype == st.dtype
-        assert BC.rel_err(norm, ref[0]) <= BC.TOLERANCE[dtype_name]
-        assert BC.rel_err(res, ref[1]) <= BC.TOLERANCE[dtype_name]
+        assert BI.rel_err(norm, ref[0]) <= BI.TOLERANCE[dtype_name]
+        assert BI.rel_err(res, ref[1]) <= BI.TOLERANCE[dtype_name]
     # the other set gives another answer: the check would catch a kernel reading stale data
-    assert BC.rel_err(BC.TorchEmulated(st, sets).once(1)[0][0], ref[0]) > 0.1
+    assert BI.rel_err(BM.TorchEmulated(st, sets).once(1)[0][0], ref[0]) > 0.1
 
 
 def test_rel_err_flags_nan_and_scales_by_max():
     torch = pytest.importorskip("torch")
-    from arfuse.bench import gpu as BC
+    from arfuse.bench import inputs as BI
 
     ref = torch.tensor([1.0, -4.0, 2.0])
-    assert BC.rel_err(ref.clone(), ref) == 0.0
-    assert BC.rel_err(torch.tensor([1.0, -4.0, 2.04]), ref) == pytest.approx(0.01)
-    assert BC.rel_err(torch.tensor([float("nan"), -4.0, 2.0]), ref) == float("inf")
+    assert BI.rel_err(ref.clone(), ref) == 0.0
+    assert BI.rel_err(torch.tensor([1.0, -4.0, 2.04]), ref) == pytest.approx(0.01)
+    assert BI.rel_err(torch.tensor([float("nan"), -4.0, 2.0]), ref) == float("inf")
 
 
 def test_flashinfer_views_fold_scaling_and_absent_rows():
     torch = pytest.importorskip("torch")
     from arfuse import reference
 
-    BC, st = _cpu_setup("permuted", "fp32")
-    sets = BC.make_sets(st, 5, 1)
-    BC.add_flashinfer_views(st, sets)
+    st = _cpu_setup("permuted", "fp32")
+    from arfuse.bench import inputs as BI
+    sets = BI.make_sets(st, 5, 1)
+    BI.add_flashinfer_views(st, sets)
     inp = sets[0][1]
     assert inp.fi["idx"].min() >= 0 and inp.fi["idx"].dtype == torch.int32
     want = reference.finalize(inp.expert_out, num_tokens=5, permuted_idx=inp.idx,
@@ -628,6 +652,16 @@ def test_markdown_ratios_to_vllm_today():
     line = next(l for l in md.splitlines() if l.startswith("| 64 |"))
     assert "12.0 (0.25×)" in line
     assert "ratio to the unfused pipeline" in BR.markdown_table(synthetic_rows(), title="t")
+    # vLLM's own kernels are the baseline where they were timed, and only there (a run without
+    # vLLM importable skips them: the ratios stay to vLLM today, not empty)
+    skipped = rows + [BR.new_row("vllm_ops", T, note="vLLM's kernels not available")
+                      for T in (1, 64, 512)]
+    assert "ratio to vLLM today" in BR.markdown_table(BR.finish_rows(
+        skipped, copy_gbps=None, ranks_per_gpu=1), title="t")
+    timed = rows + [BR.new_row("vllm_ops", T, median_us=24.0) for T in (1, 64, 512)]
+    md = BR.markdown_table(BR.finish_rows(timed, copy_gbps=None, ranks_per_gpu=1), title="t")
+    assert "ratio to vLLM's kernels" in md
+    assert "12.0 (0.50×)" in next(l for l in md.splitlines() if l.startswith("| 64 |"))
 
 
 @pytest.mark.parametrize("shared, scaling", [(True, 2.5), (False, 1.0), (False, 2.5)])
@@ -638,27 +672,28 @@ def test_vllm_today_composition_on_the_cpu(shared, scaling):
     torch = pytest.importorskip("torch")
     from arfuse.comm import cpu_communicator
 
-    BC, st = _cpu_setup("dense", "bf16", N=1, shared=shared, scaling=scaling)
+    st = _cpu_setup("dense", "bf16", N=1, shared=shared, scaling=scaling)
+    from arfuse.bench import impls as BM, inputs as BI
     st.args.weights_dtype = "none"
     import arfuse
     st.ar = arfuse
-    sets = BC.make_sets(st, 5, 2)
+    sets = BI.make_sets(st, 5, 2)
     inp = sets[0][0]
     assert inp.weights is None and inp.expert_out.shape == (5, 4, 64)
     comm = cpu_communicator(max_tokens=5, hidden=64, dtype=torch.bfloat16)
     st.group = None
     st.per_rank = lambda fn: [fn(0, comm)]
-    impl = BC.VllmToday(st, sets)
+    impl = BM.VllmToday(st, sets)
     y = impl._finalize(inp)
     want = inp.expert_out.float().sum(1).to(torch.bfloat16).float() * scaling
     if shared:
         want = want + inp.shared.float()
     assert torch.equal(y, want.to(torch.bfloat16))
-    ref = BC.reference(st, sets[0])
+    ref = BI.reference(st, sets[0])
     (norm, res), = impl.once(0)
-    assert BC.rel_err(norm, ref[0]) <= BC.TOLERANCE["bf16"]
-    assert BC.rel_err(res, ref[1]) <= BC.TOLERANCE["bf16"]
-    assert BC.rel_err(impl.once(1)[0][0], ref[0]) > 0.1
+    assert BI.rel_err(norm, ref[0]) <= BI.TOLERANCE["bf16"]
+    assert BI.rel_err(res, ref[1]) <= BI.TOLERANCE["bf16"]
+    assert BI.rel_err(impl.once(1)[0][0], ref[0]) > 0.1
 
 
 # ---------------------------------------------------------------- the latency ladder (issue 16)

@@ -8,7 +8,7 @@ import pytest
 
 from arfuse.bench import cli as bench
 from arfuse.bench import ladder
-from arfuse.check import dist as dist_check
+from arfuse.check import cli as dist_check
 
 
 @pytest.mark.parametrize("build, options", [(bench.build_parser, 10),

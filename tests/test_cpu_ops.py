@@ -31,7 +31,7 @@ def rand(*shape, dtype=torch.bfloat16):
 def test_library_matches_manifest(lib, manifest):
     names = sorted(arfuse.supported_variants())
     assert names == sorted(i["name"] for i in manifest["instances"])
-    assert manifest["api_version"] == arfuse._lib.API_VERSION == 10
+    assert manifest["api_version"] == arfuse._lib.API_VERSION == 12
 
 
 def test_schemas_are_registered(lib):
@@ -52,6 +52,81 @@ def test_dispatch_prefers_specialised_then_generic(lib, manifest):
     assert arfuse.instance_for("bf16", 40960, 4, "oneshot") is None  # beyond the generic's 32768
     assert arfuse.instance_for("bf16", 2880, 4, "oneshot", "fp8_static") == "arfuse_bf16_generic_oneshot_fp8_static"
     assert arfuse.supported("fp32", 1536, 2)
+
+
+def test_token_splits_pick_the_twin_up_to_its_token_count(lib, manifest):
+    # variants/tuning.yaml min_blocks_splits: an instance whose plan asks for a blocks-per-SM
+    # bound also has a twin built without it, which the dispatch runs for T <= max_tokens.
+    twins = [i for i in manifest["instances"] if i["max_tokens"]]
+    assert twins, "the CI matrix builds a token split (variants/ci.yaml)"
+    by_name = {i["name"]: i for i in manifest["instances"]}
+    for twin in twins:
+        sibling = by_name[twin["name"].rsplit("_upto", 1)[0]]
+        assert sibling["max_tokens"] == 0 and sibling["plan"]["min_blocks_per_sm"] > 0
+        assert twin["plan"]["min_blocks_per_sm"] == 0
+        assert {k: v for k, v in twin["plan"].items() if k != "min_blocks_per_sm"} == \
+            {k: v for k, v in sibling["plan"].items() if k != "min_blocks_per_sm"}
+        axes = (twin["dtype"], twin["hidden"], twin["world_size"], twin["algorithm"], twin["output"])
+        limit = twin["max_tokens"]
+        for t in (0, 1, limit // 2, limit):
+            assert arfuse.instance_for(*axes, num_tokens=t) == twin["name"], t
+        for t in (limit + 1, 8192):
+            assert arfuse.instance_for(*axes, num_tokens=t) == sibling["name"], t
+        assert arfuse.instance_for(*axes) == sibling["name"]  # every token count: the sibling
+        rows = manifest["tuning"]["min_blocks_splits"]["rows"]
+        assert {"dtype": twin["dtype"], "hidden": twin["hidden"], "world_size": twin["world_size"],
+                "algorithm": twin["algorithm"], "output": twin["output"],
+                "unbound_max_tokens": limit} in rows
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="num_tokens"):
+            arfuse.instance_for(*axes, num_tokens=bad)
+
+
+def test_world_size_1_is_the_local_algorithms(lib, manifest):
+    # World size 1 has no all-reduce: the local algorithm serves it, specialised (2048, 7168 in
+    # the CI matrix) or generic, and serves nothing else; the all-reduce algorithms never serve it.
+    assert arfuse.instance_for("bf16", 2048, 1, "local") == "arfuse_bf16_h2048_w1_local_norm"
+    assert arfuse.instance_for("bf16", 7168, 1, "local", "fp8_group128") == \
+        "arfuse_bf16_h7168_w1_local_fp8_group128"
+    assert arfuse.instance_for("bf16", 2880, 1, "local") == "arfuse_bf16_generic_local_norm"
+    assert arfuse.instance_for("fp32", 1536, 1, "local") == "arfuse_fp32_generic_local_norm"
+    for algo in ("oneshot", "twoshot"):
+        assert arfuse.instance_for("bf16", 2048, 1, algo) is None
+        assert arfuse.instance_for("bf16", 2880, 1, algo) is None  # not even the generic one
+    for world in (2, 8):
+        assert arfuse.instance_for("bf16", 2048, world, "local") is None
+    assert arfuse.supported("bf16", 2880, 1) and arfuse.supported("fp16", 4096, 1)
+    assert not arfuse.supported("bf16", 2884, 1)
+    local = [i for i in manifest["instances"] if i["algorithm"] == "local"]
+    assert local and all(i["world_size"] in (0, 1) for i in local)
+    assert all(i["world_size"] != 1 for i in manifest["instances"] if i["algorithm"] != "local")
+
+
+def test_world_size_1_algorithm_rule(lib, comm):
+    # auto and local run (the CPU implementation); an all-reduce algorithm at world size 1 is one
+    # clear error naming the argument and the rule, before anything is computed.
+    x, r, g = rand(4, H), rand(4, H), torch.rand(H).bfloat16()
+    want = arfuse.moe_finalize_allreduce_rmsnorm(comm, x, r, g, 1e-6)
+    got = arfuse.moe_finalize_allreduce_rmsnorm(comm, x, r, g, 1e-6, algorithm="local")
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    for algo in ("oneshot", "twoshot"):
+        with pytest.raises(ValueError, match=f"algorithm: {algo} is an all-reduce algorithm; a "
+                           "communicator of world size 1 has no all-reduce"):
+            arfuse.moe_finalize_allreduce_rmsnorm(comm, x, r, g, 1e-6, algorithm=algo)
+    with op_raises(ValueError, r"algorithm: 4 is not one of 0 \(auto\), 1 \(oneshot\), 2 \(twoshot\), "
+                   r"3 \(local\)"):
+        torch.ops.arfuse.fused(x, None, None, None, r, g, 1e-6, 0.0, 1.0, None, comm.handle, 4)
+
+
+def test_local_communicator_on_the_cpu(lib):
+    from arfuse.comm import local_communicator
+
+    with local_communicator(max_tokens=8, hidden=H, dtype=torch.float32, device="cpu") as c:
+        assert (c.world_size, c.rank, c.device.type, c.max_tokens) == (1, 0, "cpu", 8)
+        info = torch.ops.arfuse.comm_info(c.handle)
+        assert info[9] == 0, "a world-size-1 communicator holds no exchange buffer"
+        with pytest.raises(ValueError, match="a CPU communicator has no IPC handle"):
+            arfuse.comm._op("comm_ipc_handle", c.handle)
 
 
 def test_oneshot_threshold_default_rule(lib):

@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from arfuse import _checks
-from arfuse.check import dist as dc
+from arfuse.check import cases as ck_cases, cli as ck_cli, multicast as ck_multicast
+from arfuse.check import report as ck_report, run as ck_run, run_case as ck_run_case
+from arfuse.check import runner as ck_runner
 
 ROOT = Path(__file__).resolve().parent.parent
 MULTICAST_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
@@ -40,18 +42,18 @@ def _env(**extra):
 def test_multicast_off_is_set_by_importing_dist_check():
     # In a fresh process (no variable set beforehand) the torchrun tests below check the same
     # through each rank's report.
-    for k, v in dc.MULTICAST_OFF.items():
+    for k, v in ck_multicast.MULTICAST_OFF.items():
         assert os.environ.get(k) == v
-    assert dc.MULTICAST_OFF == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    assert ck_multicast.MULTICAST_OFF == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def test_multicast_off_defaults_keep_explicit_values():
     env = {}
-    assert dc.multicast_off(env) == {}
-    assert env == dc.MULTICAST_OFF
+    assert ck_multicast.multicast_off(env) == {}
+    assert env == ck_multicast.MULTICAST_OFF
     env = {"NCCL_NVLS_ENABLE": "1"}
-    assert dc.multicast_off(env) == {"NCCL_NVLS_ENABLE": "1"}  # kept, reported
+    assert ck_multicast.multicast_off(env) == {"NCCL_NVLS_ENABLE": "1"}  # kept, reported
     assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
 
 
@@ -67,14 +69,14 @@ def test_no_multicast_in_the_sources():
 
 # ---- arguments -----------------------------------------------------------------------------------
 def test_defaults():
-    a = dc.parse_args([])
-    assert a.replays == 10_000 and a.max_tokens == 256 and a.suites == list(dc.SUITES)
+    a = ck_cli.parse_args([])
+    assert a.replays == 10_000 and a.max_tokens == 256 and a.suites == list(ck_cases.SUITES)
     assert a.out == "dist-check-out" and a.backend == "auto" and a.device == "auto"
     assert a.fake_op is None and a.seed is None
-    q = dc.parse_args(["--quick"])
+    q = ck_cli.parse_args(["--quick"])
     assert q.replays == 200 and q.quick
-    assert dc.parse_args(["--quick", "--replays", "0"]).replays == 0
-    o = dc.parse_args(["--only", "graph, token_counts"])
+    assert ck_cli.parse_args(["--quick", "--replays", "0"]).replays == 0
+    o = ck_cli.parse_args(["--only", "graph, token_counts"])
     assert o.suites == ["token_counts", "graph"]  # in the suites' order
 
 
@@ -91,14 +93,14 @@ def test_defaults():
 ])
 def test_bad_arguments_exit_2_with_one_clear_line(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        dc.parse_args(argv)
+        ck_cli.parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_help_lists_the_options_without_the_testing_seam(capsys):
     with pytest.raises(SystemExit) as e:
-        dc.parse_args(["--help"])
+        ck_cli.parse_args(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
     for opt in ("--out", "--replays", "--quick", "--max-tokens", "--only", "--seed"):
@@ -109,24 +111,24 @@ def test_help_lists_the_options_without_the_testing_seam(capsys):
 def test_several_cpu_ranks_without_the_seam_are_refused(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(dc.DistCheckError, match="CPU implementation serves world size 1 only"):
-        dc.Runner(dc.parse_args(["--device", "cpu"]))
+    with pytest.raises(ck_cli.DistCheckError, match="CPU implementation serves world size 1 only"):
+        ck_runner.Runner(ck_cli.parse_args(["--device", "cpu"]))
     if not torch.cuda.is_available():
-        with pytest.raises(dc.DistCheckError, match="no CUDA device"):
-            dc.Runner(dc.parse_args(["--device", "cuda"]))
+        with pytest.raises(ck_cli.DistCheckError, match="no CUDA device"):
+            ck_runner.Runner(ck_cli.parse_args(["--device", "cuda"]))
 
 
 # ---- the case list -------------------------------------------------------------------------------
 def test_full_case_list_covers_the_suites():
     spec = [("bf16", 2048), ("bf16", 7168), ("fp16", 4096)]
-    cases = dc.build_cases(8, specialised=spec)
+    cases = ck_cases.build_cases(8, specialised=spec)
     names = [c.name for c in cases]
     assert len(names) == len(set(names)), "case names (and so seeds) must be unique"
     assert all(c.case.world == 8 for c in cases)
     by = {}
     for c in cases:
         by.setdefault(c.suite, []).append(c)
-    assert set(by) == set(dc.SUITES) - {"graph"}
+    assert set(by) == set(ck_cases.SUITES) - {"graph"}
     assert len(by["specialised"]) == 3 * 2 * 2
     tc = by["token_counts"]
     assert sorted({c.case.tokens for c in tc}) == [0, 1, 3, 17, 128, 256]
@@ -146,21 +148,21 @@ def test_full_case_list_covers_the_suites():
         assert {c.case.algorithm for c in by[suite]} == {"oneshot", "twoshot"}, suite
     assert all(c.kind == "oneshot_twoshot" and c.algorithms == ["oneshot", "twoshot"]
                for c in by["oneshot_twoshot"])
-    assert all(c.case.fp8 and c.fp8_scale == dc.FP8_SCALE for c in by["fp8_static"])
+    assert all(c.case.fp8 and c.fp8_scale == ck_cases.FP8_SCALE for c in by["fp8_static"])
     assert all(c.kind == "inplace" and c.case.inplace for c in by["inplace"])
     assert all(c.kind == "no_residual" for c in by["no_residual"])
 
 
 def test_quick_and_max_tokens_and_only():
-    full = dc.build_cases(2)
-    quick = dc.build_cases(2, quick=True, max_tokens=64)
+    full = ck_cases.build_cases(2)
+    quick = ck_cases.build_cases(2, quick=True, max_tokens=64)
     assert 0 < len(quick) < len(full) / 3
-    assert {c.suite for c in quick} == set(dc.SUITES) - {"graph", "specialised"}
+    assert {c.suite for c in quick} == set(ck_cases.SUITES) - {"graph", "specialised"}
     assert max(c.case.tokens for c in quick) == 64
     assert sorted({c.case.tokens for c in quick if c.suite == "token_counts"}) == [0, 1, 3, 17, 64]
-    only = dc.build_cases(4, suites=["specials"])
+    only = ck_cases.build_cases(4, suites=["specials"])
     assert only and {c.suite for c in only} == {"specials"}
-    assert not [c for c in dc.build_cases(4, max_tokens=2) if c.suite == "specials"]
+    assert not [c for c in ck_cases.build_cases(4, max_tokens=2) if c.suite == "specials"]
 
 
 def test_specialised_instances_come_from_the_manifest(tmp_path):
@@ -173,27 +175,27 @@ def test_specialised_instances_come_from_the_manifest(tmp_path):
     ]}
     p = tmp_path / "manifest.json"
     p.write_text(json.dumps(m))
-    assert dc.specialised_from_manifest(p, 8) == [("bf16", 7168)]
-    assert dc.specialised_from_manifest(p, 4) == [("fp16", 4096)]
-    assert dc.specialised_from_manifest(p, 2) == []
-    assert dc.specialised_from_manifest(tmp_path / "missing.json", 8) == []
+    assert ck_cases.specialised_from_manifest(p, 8) == [("bf16", 7168)]
+    assert ck_cases.specialised_from_manifest(p, 4) == [("fp16", 4096)]
+    assert ck_cases.specialised_from_manifest(p, 2) == []
+    assert ck_cases.specialised_from_manifest(tmp_path / "missing.json", 8) == []
 
 
 def test_case_seeds_are_stable_and_per_case():
-    assert dc.case_seed(5, "forms:x") == dc.case_seed(5, "forms:x")
-    assert dc.case_seed(5, "forms:x") != dc.case_seed(5, "forms:y")
-    assert dc.case_seed(5, "forms:x") != dc.case_seed(6, "forms:x")
-    assert 0 <= dc.case_seed(2**31 - 1, "z") < 2**31
+    assert ck_cases.case_seed(5, "forms:x") == ck_cases.case_seed(5, "forms:x")
+    assert ck_cases.case_seed(5, "forms:x") != ck_cases.case_seed(5, "forms:y")
+    assert ck_cases.case_seed(5, "forms:x") != ck_cases.case_seed(6, "forms:x")
+    assert 0 <= ck_cases.case_seed(2**31 - 1, "z") < 2**31
 
 
 def test_fingerprint_sees_every_byte():
     a = torch.randn(5, 8, dtype=torch.bfloat16)
     b = a.clone()
-    assert dc.fingerprint([a, b]) == dc.fingerprint([a.clone(), b.clone()])
+    assert ck_run_case.fingerprint([a, b]) == ck_run_case.fingerprint([a.clone(), b.clone()])
     c = b.clone()
     c.view(torch.int16)[3, 2] ^= 1
-    assert dc.fingerprint([a, c]) != dc.fingerprint([a, b])
-    assert dc.fingerprint([a, b]) != dc.fingerprint([b.flip(0), a])
+    assert ck_run_case.fingerprint([a, c]) != ck_run_case.fingerprint([a, b])
+    assert ck_run_case.fingerprint([a, b]) != ck_run_case.fingerprint([b.flip(0), a])
 
 
 # ---- the suite's Case (tests/fused_cases.py, with the FP8 fields) and the package's draw the same inputs
@@ -208,7 +210,7 @@ def test_checks_draws_the_same_inputs_as_the_gpu_suite():
         assert str(mine) == str(theirs)
         a = _checks.make_inputs(mine, torch.device("cpu"), 1234)
         b = fused_cases.make_inputs(theirs, torch.device("cpu"), 1234)
-        ta, tb = dc._input_tensors(a), dc._input_tensors(b)
+        ta, tb = ck_run_case._input_tensors(a), ck_run_case._input_tensors(b)
         assert len(ta) == len(tb)
         assert all(torch.equal(_checks.bits(x), _checks.bits(y)) for x, y in zip(ta, tb))
 
@@ -244,38 +246,38 @@ def _rec(status, dtype="bf16", res=1e-5, norm=1e-3):
 def test_summary_and_report_writer(tmp_path):
     recs = [_rec("passed", "bf16", 1e-5, 1e-3), _rec("passed", "bf16", 3e-5, 2e-4),
             _rec("passed", "fp32", 1e-8, 2e-8), _rec("skipped")]
-    s = dc.summarize(recs, {"status": "passed"})
+    s = ck_report.summarize(recs, {"status": "passed"})
     assert s["ok"] and (s["passed"], s["failed"], s["skipped"], s["cases"]) == (3, 0, 1, 4)
     assert s["worst"]["bf16"] == {"cases": 2, "residual_out": 3e-5, "norm_out": 1e-3}
     assert list(s["worst"]) == ["bf16", "fp32"]
-    assert not dc.summarize(recs + [_rec("failed")], None)["ok"]
-    assert not dc.summarize(recs, {"status": "failed"})["ok"]
-    assert dc.summarize(recs, {"status": "skipped"})["ok"]
-    assert not dc.summarize([_rec("skipped")], None)["ok"], "nothing passed is no pass"
+    assert not ck_report.summarize(recs + [_rec("failed")], None)["ok"]
+    assert not ck_report.summarize(recs, {"status": "failed"})["ok"]
+    assert ck_report.summarize(recs, {"status": "skipped"})["ok"]
+    assert not ck_report.summarize([_rec("skipped")], None)["ok"], "nothing passed is no pass"
 
     report = {"world_size": 8, "device": "cuda", "backend": "nccl", "summary": s,
               "graph": {"status": "passed", "replays": 10000, "algorithms": ["oneshot", "twoshot"]},
               "failures": [], "cases": recs, "environment": {"path": Path("/x")}}
-    path = dc.write_report(tmp_path / "new" / "dir", "dist_check_w8", report)
+    path = ck_report.write_report(tmp_path / "new" / "dir", "dist_check_w8", report)
     assert path == tmp_path / "new" / "dir" / "dist_check_w8.json"
     back = json.loads(path.read_text())
     assert back["summary"] == json.loads(json.dumps(s)) and back["environment"]["path"] == "/x"
     assert [p.name for p in path.parent.iterdir()] == ["dist_check_w8.json"]
-    lines = dc.format_summary(report)
+    lines = ck_report.format_summary(report)
     assert lines[-1] == ("PASSED arfuse.check N=8 cuda nccl: 4 cases, 3 passed, 0 failed, "
                          "1 skipped; graph: 10000 replays x 2 algorithms, identical, no timeout")
     assert lines[0] == "  worst bf16: 2 cases, residual_out 3.00e-05, norm_out 1.00e-03"
     report["failures"] = [{"case": "c", "seed": 3, "ranks": {"1": "boom"}}]
-    report["summary"] = dc.summarize(recs + [_rec("failed")], None)
+    report["summary"] = ck_report.summarize(recs + [_rec("failed")], None)
     report["graph"] = None
-    lines = dc.format_summary(report)
+    lines = ck_report.format_summary(report)
     assert "  FAILED c (seed 3): rank 1: boom" in lines
     assert lines[-1].startswith("FAILED arfuse.check N=8 cuda nccl: 5 cases, 3 passed, 1 failed")
 
 
 # ---- end to end on the CPU ------------------------------------------------------------------------
 def test_world_1_in_process_with_the_real_cpu_op(lib, tmp_path, capsys):
-    rc = dc.main(["--quick", "--max-tokens", "32", "--device", "cpu", "--seed", "11",
+    rc = ck_run.main(["--quick", "--max-tokens", "32", "--device", "cpu", "--seed", "11",
                   "--out", str(tmp_path), "--name", "w1"])
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "w1.json").read_text())
@@ -283,13 +285,16 @@ def test_world_1_in_process_with_the_real_cpu_op(lib, tmp_path, capsys):
     assert report["ok"] and report["world_size"] == 1 and report["device"] == "cpu"
     assert report["backend"] == "gloo" and report["fake_op"] is None and report["seed"] == 11
     s = report["summary"]
-    assert s["failed"] == 0 and s["passed"] >= 60, s
+    # World size 1 runs the local algorithm only (no all-reduce): one algorithm per case.
+    assert s["failed"] == 0 and s["passed"] >= 30, s
     assert {"bf16", "fp16", "fp32", "fp8_e4m3 (from bf16)"} <= set(s["worst"])
     assert report["graph"]["status"] == "skipped" and "CUDA" in report["graph"]["reason"]
     env = report["environment"]
-    assert env["multicast_env"] == dc.MULTICAST_OFF
+    assert env["multicast_env"] == ck_multicast.MULTICAST_OFF
     assert env["torch"] == torch.__version__ and env["ranks"][0]["device"] == "cpu"
-    assert {r["suite"] for r in report["cases"]} == set(dc.SUITES) - {"graph", "specialised"}
+    # No one-shot against two-shot at world size 1: it has neither; its specialised instances
+    # are the local ones of the build.
+    assert {r["suite"] for r in report["cases"]} == set(ck_cases.SUITES) - {"graph", "oneshot_twoshot"}
     assert out.strip().splitlines()[-1].startswith("PASSED arfuse.check N=1 cpu gloo")
     assert not torch.distributed.is_initialized()
 
@@ -306,8 +311,9 @@ def test_torchrun_world_1_real_cpu_op(lib, tmp_path):
                   tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads((tmp_path / "dist_check_w1.json").read_text())
-    assert r["ok"] and r["summary"]["passed"] == 4 * 3 + 2
-    assert r["environment"]["multicast_env"] == dc.MULTICAST_OFF
+    # 4 token counts x (local, auto), and fp8_static with local: world size 1's one algorithm.
+    assert r["ok"] and r["summary"]["passed"] == 4 * 2 + 1
+    assert r["environment"]["multicast_env"] == ck_multicast.MULTICAST_OFF
 
 
 def _launch_ranks(world, args, tmp_path, timeout=120):
@@ -361,7 +367,7 @@ def test_two_cpu_ranks_harness_catches_a_bad_rank(tmp_path):
     assert outs[0].strip().splitlines()[-1].startswith("FAILED arfuse.check N=2 cpu gloo")
     assert outs[1].strip() == "", "only rank 0 prints"
     assert [x["rank"] for x in r["environment"]["ranks"]] == [0, 1]
-    assert r["environment"]["multicast_env"] == dc.MULTICAST_OFF  # unset in the launch env
+    assert r["environment"]["multicast_env"] == ck_multicast.MULTICAST_OFF  # unset in the launch env
 
 
 # ---- scripts/multigpu.sh --------------------------------------------------------------------------
@@ -376,7 +382,7 @@ def test_multigpu_script_plan_on_8_gpus():
     assert p.returncode == 0, p.stderr
     assert not (ROOT / "unused-in-a-dry-run").exists(), "a dry run writes nothing"
     lines = p.stdout.splitlines()
-    for k, v in dc.MULTICAST_OFF.items():
+    for k, v in ck_multicast.MULTICAST_OFF.items():
         assert f"env: {k}={v}" in lines
     runs = {m.group(1): m.group(2) for m in (re.match(r"run (\S+): (.*)", l) for l in lines) if m}
     for n in (2, 4, 8):

@@ -73,33 +73,57 @@ def run_and_check(groups, case: Case, fp8_scale=None):
     return outs, inputs
 
 
-def _ci_specialised():
-    """(dtype, hidden, world) of every specialised instance in the build's manifest."""
+def _manifest_instances():
     from arfuse import _lib
 
     try:
         with open(_lib.manifest_path()) as f:
-            m = json.load(f)
+            return json.load(f)["instances"]
     except OSError:
         return []
+
+
+def _ci_specialised():
+    """(dtype, hidden, world, algorithm) of every specialised norm instance in the build's
+    manifest (token splits' twins: test_token_split_twins)."""
     seen = set()
-    for inst in m["instances"]:
-        if inst.get("hidden") and inst.get("output", inst.get("out", "norm")) == "norm":
-            seen.add((inst["dtype"], inst["hidden"], inst["world_size"]))
+    for inst in _manifest_instances():
+        if inst.get("hidden") and inst.get("output", inst.get("out", "norm")) == "norm" and \
+                inst["algorithm"] != "local" and not inst.get("max_tokens"):  # local: test_gpu_local
+            seen.add((inst["dtype"], inst["hidden"], inst["world_size"], inst["algorithm"]))
     return sorted(seen)
 
 
-# ---- every specialised instance of the build, both algorithms, dense and permuted -------------
-@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
-@pytest.mark.parametrize("spec", _ci_specialised(), ids=lambda s: f"{s[0]}-h{s[1]}-w{s[2]}")
-def test_specialised_instances(groups, spec, algorithm):
-    dtype, hidden, world = DTYPES[spec[0]], spec[1], spec[2]
+# ---- every specialised instance of the build, dense and permuted ------------------------------
+@pytest.mark.parametrize("spec", _ci_specialised(), ids=lambda s: f"{s[0]}-h{s[1]}-w{s[2]}-{s[3]}")
+def test_specialised_instances(groups, spec):
+    dtype, hidden, world, algorithm = DTYPES[spec[0]], spec[1], spec[2], spec[3]
     assert arfuse.instance_for(dtype, hidden, world, algorithm) == \
         f"arfuse_{spec[0]}_h{hidden}_w{world}_{algorithm}_norm"
     run_and_check(groups, Case(world, hidden, dtype, 17, "dense", 8, "f32", True, 2.5,
                                algorithm=algorithm))
     run_and_check(groups, Case(world, hidden, dtype, 128, "permuted", 8, "act", True, 1.0,
                                weight_bias=1.0, absent=0.3, algorithm=algorithm))
+
+
+# ---- token splits: the twin without the blocks-per-SM bound up to its T, the sibling above ----
+def _token_splits():
+    return sorted((i["dtype"], i["hidden"], i["world_size"], i["algorithm"], i["max_tokens"],
+                   i["name"]) for i in _manifest_instances()
+                  if i.get("max_tokens") and i.get("output") == "norm")
+
+
+@pytest.mark.parametrize("split", _token_splits(), ids=lambda s: s[5])
+@pytest.mark.parametrize("algorithm", ["named", "auto"])
+def test_token_split_twins(groups, split, algorithm):
+    d, hidden, world, algo, limit, twin = split
+    dtype = DTYPES[d]
+    sibling = twin.rsplit("_upto", 1)[0]
+    big = lambda w, h, dt: groups(w, h, dt, max_tokens=limit + 1)  # noqa: E731
+    for tokens, name in ((1, twin), (limit, twin), (limit + 1, sibling)):
+        assert arfuse.instance_for(dtype, hidden, world, algo, num_tokens=tokens) == name
+        run_and_check(big, Case(world, hidden, dtype, tokens, "permuted", 8, "f32", True, 2.5,
+                                absent=0.2, algorithm=algo if algorithm == "named" else "auto"))
 
 
 # ---- token counts, including T = 0 and the capacity ---------------------------------------------

@@ -65,7 +65,11 @@ def test_suite_check_accepts_the_right_outputs_and_rejects_spoilt_ones(case):
     # One rank differs from the others in one element of residual_out.
     spoilt = [tuple(t.clone() for t in o) for o in outs]
     r = spoilt[-1][1]
-    r[case.tokens - 1, 1] = r[case.tokens - 1, 1] * 2 + 1
+    # A finite element (special-value cases put NaN / Inf in some rows), moved by at least 1:
+    # x * 2 + 1 leaves x = -1 (and every non-finite x) where it was.
+    j = int(torch.isfinite(r[case.tokens - 1]).float().argmax())
+    assert torch.isfinite(r[case.tokens - 1, j]), "the last row has no finite element to spoil"
+    r[case.tokens - 1, j] = r[case.tokens - 1, j] + r[case.tokens - 1, j].abs() + 1
     with pytest.raises(AssertionError, match=f"residual_out of rank {case.world - 1} differs"):
         check_case(case, spoilt, inputs, scale)
 

@@ -26,16 +26,19 @@ def test_algorithm_and_output_values_reach_the_dispatch_table(lib, manifest):
     insts = manifest["instances"]
     specialised = {(i["dtype"], i["hidden"]) for i in insts if not i["generic"]}
     assert {i["output"] for i in insts} <= set(_vocab.OUTPUTS)
-    assert {i["algorithm"] for i in insts} == set(_vocab.KERNEL_ALGORITHMS)
+    assert {i["algorithm"] for i in insts} == \
+        set(_vocab.KERNEL_ALGORITHMS) | set(_vocab.LOCAL_ALGORITHMS)
     for inst in insts:
         dtype = _vocab.DTYPES[inst["dtype"]]
         if inst["generic"]:
             hidden = 3072  # a multiple of 128 that this build does not specialise
             assert (inst["dtype"], hidden) not in specialised
-            world = 2
+            world = 1 if inst["algorithm"] in _vocab.LOCAL_ALGORITHMS else 2
         else:
             hidden, world = inst["hidden"], inst["world_size"]
-        got = lib.instance_for(dtype, hidden, world, inst["algorithm"], inst["output"])
+        # A token split's twin serves T <= max_tokens; the rest serve every T (None).
+        got = lib.instance_for(dtype, hidden, world, inst["algorithm"], inst["output"],
+                               num_tokens=inst["max_tokens"] or None)
         assert got == inst["name"], (inst["name"], got)
 
 

@@ -45,6 +45,14 @@ ceil(T/N) tokens (the last ranks fewer); the terms marked (avg) are exact averag
             + 2*T*H*e             residual_out and norm_out written
           ~ F_in + 7*T*H*e + (T/N)*H*e + H*g
 
+Local (world size 1, no all-reduce: finalize, residual and norm of each token in one pass)::
+
+    local = F_in
+          + T*H*e       residual read
+          + H*g         gamma read
+          + 2*T*H*e     residual_out and norm_out written
+          = F_in + 3*T*H*e + H*g
+
 Unfused pipeline (standalone ``arfuse.moe_finalize`` kernel, then the plain-layout op)::
 
     unfused = (F_in + T*H*e)                     finalize: rows etc. read, [T, H] written
@@ -59,6 +67,11 @@ Unfused pipeline (standalone ``arfuse.moe_finalize`` kernel, then the plain-layo
                  or 0       (neither)
                + op(plain, F_in = T*H*e, algorithm)
 
+At world size 1 the last step is the plain local op, i.e. exactly vLLM's ``fused_add_rms_norm``
+(x and residual read, both written, gamma read). ``vllm_ops`` is the same pipeline run by vLLM's
+own kernels (``_moe_C.moe_sum``, the copy, the shared add, ``_C.fused_add_rms_norm``): the same
+bytes as ``vllm_today`` at world size 1.
+
 Emulated groups (``--emulate``) run all N ranks on one GPU, sharing one HBM: the bench reports
 per-rank bytes * N over the per-call time as achieved bandwidth. Under torchrun each rank has its
 own GPU: per-rank bytes over the per-call time.
@@ -69,10 +82,10 @@ not counted (reported as empty).
 
 from __future__ import annotations
 
-from .._vocab import KERNEL_ALGORITHMS
+from .._vocab import KERNEL_ALGORITHMS, LOCAL_ALGORITHMS
 
 LAYOUTS = ("permuted", "dense", "plain")
-ALGORITHMS = KERNEL_ALGORITHMS  # ("oneshot", "twoshot")
+ALGORITHMS = KERNEL_ALGORITHMS + LOCAL_ALGORITHMS  # ("oneshot", "twoshot", "local")
 
 
 def _check(layout: str, T: int, H: int, K: int, N: int) -> None:
@@ -117,12 +130,17 @@ def op_bytes_breakdown(algorithm: str, layout: str, T: int, H: int, K: int, N: i
     """Per-rank bytes of one fused call (finalize + all-reduce + residual + RMSNorm), itemised."""
     _check(layout, T, H, K, N)
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; expected oneshot or twoshot")
+        raise ValueError(f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}")
+    if (algorithm in LOCAL_ALGORITHMS) != (N == 1):
+        raise ValueError(f"algorithm {algorithm!r} does not serve world size {N} "
+                         "(local is world size 1's, and only local is)")
     g = elem if gamma_elem is None else gamma_elem
     b = finalize_input_bytes(layout, T, H, K, elem, valid_rows=valid_rows,
                              weight_elem=weight_elem, shared=shared)
     row = T * H * elem
-    if algorithm == "oneshot":
+    if algorithm in LOCAL_ALGORITHMS:
+        b["residual"] = row
+    elif algorithm == "oneshot":
         b["push"] = N * row
         b["peer_reads"] = N * row
         b["clear"] = N * row
@@ -170,8 +188,11 @@ def vllm_today_bytes(algorithm: str, T: int, H: int, K: int, N: int, elem: int, 
                         gamma_elem=gamma_elem)
 
 
-def resolve_algorithm(algorithm: str, T: int, oneshot_max_tokens: int) -> str:
-    """What "auto" dispatches to: one-shot for T <= the threshold."""
+def resolve_algorithm(algorithm: str, T: int, oneshot_max_tokens: int | None,
+                      world_size: int = 2) -> str:
+    """What "auto" dispatches to: local at world size 1, else one-shot for T <= the threshold."""
+    if algorithm == "auto" and world_size == 1:
+        return LOCAL_ALGORITHMS[0]
     if algorithm == "auto":
         return "oneshot" if T <= oneshot_max_tokens else "twoshot"
     if algorithm not in ALGORITHMS:
@@ -187,6 +208,7 @@ IMPL_ALGORITHM = {
     "arfuse_twoshot": ("fused", "twoshot"),
     "unfused": ("unfused", "auto"),
     "vllm_today": ("vllm_today", "auto"),    # --weights-dtype none: vLLM's moe_sum + copy + ...
+    "vllm_ops": ("vllm_today", "auto"),      # the same at world size 1, by vLLM's own kernels
     "torch": (None, None),
     "arfuse_q": ("fused", "auto"),           # --quant: FP8 output written by the fused kernel
     "arfuse_sepq": ("sepquant", "auto"),     # --quant: activation-dtype output + quant kernel
@@ -207,9 +229,9 @@ def impl_bytes(impl: str, layout: str, T: int, H: int, K: int, N: int, elem: int
         return None
     algo = algorithm or algo
     if algo == "auto":
-        if oneshot_max_tokens is None:
+        if oneshot_max_tokens is None and N != 1:
             return None
-        algo = resolve_algorithm(algo, T, oneshot_max_tokens)
+        algo = resolve_algorithm(algo, T, oneshot_max_tokens, N)
     quant = kw.pop("quant", None)
     if kind == "fused":
         return op_bytes(algo, layout, T, H, K, N, elem, **kw) + quant_output_delta(quant, T, H, elem)

@@ -145,12 +145,12 @@ class FloorLib:
 
 
 def _impls(floor: FloorLib):
-    """The two custom rungs as implementations of arfuse.bench.gpu (imported with torch)."""
+    """The two custom rungs as implementations of arfuse.bench.impls (imported with torch)."""
     import torch
 
-    from . import gpu
+    from .impls import PerRank, Skip
 
-    class Empty(gpu.PerRank):
+    class Empty(PerRank):
         check = False
 
         def call(self, rank, comm, inp):
@@ -159,7 +159,7 @@ def _impls(floor: FloorLib):
                 raise RuntimeError(f"empty kernel launch failed ({err})")
             return inp.residual, inp.residual
 
-    class Floor(gpu.PerRank):
+    class Floor(PerRank):
         """Each rank's buffer holds 3 slots of [T][N][H], all -0.0 (the sentinel) at the start;
         outputs are allocated once, before any launch (an allocation between two ranks'
         launches could synchronise with a spinning kernel)."""
@@ -171,9 +171,9 @@ def _impls(floor: FloorLib):
             threads = ((H // 8 + 31) // 32) * 32
             resident = props.multi_processor_count * max(1, 2048 // threads)
             if setup.dtype != torch.bfloat16 or H % 8 or H // 8 > 1024:
-                raise gpu.Skip("the floor kernel serves bf16 with H % 8 == 0, H <= 8192")
+                raise Skip("the floor kernel serves bf16 with H % 8 == 0, H <= 8192")
             if N * T > resident:
-                raise gpu.Skip(f"{N} x {T} blocks would not all be resident ({resident})")
+                raise Skip(f"{N} x {T} blocks would not all be resident ({resident})")
             self.slot_elems = T * N * H
             self.bufs = [torch.full((3 * self.slot_elems,), -0.0, dtype=torch.bfloat16,
                                     device=setup.device) for _ in range(N)]
@@ -206,7 +206,7 @@ def _impls(floor: FloorLib):
 
 def run_ladder(ns) -> dict:
     rungs = ns.rung_list
-    from . import gpu
+    from . import run as bench_run
 
     factories = {}
     if any(r in CUSTOM for r in rungs):
@@ -220,7 +220,7 @@ def run_ladder(ns) -> dict:
                 *RUNGS[rung][1]]
         bns = cli.parse_args(argv)
         bns.impls = [rung] if rung in CUSTOM else ["arfuse"]
-        res = gpu.run(bns, factories=factories)
+        res = bench_run.run(bns, factories=factories)
         results[rung] = {r["tokens"]: r for r in res["rows"]}
         envs = envs or res
         done = ", ".join(f"T={t}: {r['median_us']:.2f}" if r.get("median_us") else

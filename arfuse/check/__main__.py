@@ -1,5 +1,5 @@
 import sys
 
-from .dist import main
+from .run import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-"""arfuse's vLLM integration (vLLM 0.26.0 ... 0.34.0; docs/vllm.md, arfuse/vllm/contract.py).
+"""arfuse's vLLM integration (vLLM 0.26.0 ... 0.34.0; docs/vllm.md, arfuse/vllm/contract/).
 
 * ArfuseAllReduceFusionPass (arfuse.vllm.fusion): a VllmPatternMatcherPass for vLLM's post-grad
   pass manager that replaces all_reduce + rms_norm / fused_add_rms_norm (and the MoE tail before

@@ -38,12 +38,14 @@ def tensor_parallel_size() -> int:
 
 
 def plan(vllm_config: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The communicator this config wants: (registry key, constructor arguments), or None."""
+    """The communicator this config wants: (registry key, constructor arguments), or None.
+    Tensor parallelism 1 gets one too: a communicator of world size 1, for the local algorithm
+    (no all-reduce; it allocates nothing)."""
     if vllm_config is None or vllm_config.model_config is None:
         return None
-    world = tensor_parallel_size()
-    if world <= 1:
+    if not model_parallel_ready():
         return None
+    world = tensor_parallel_size()
     import arfuse
     from vllm.distributed.parallel_state import get_tp_group
 
@@ -85,10 +87,11 @@ def fp8_supported(dtype: Any, hidden: int, world_size: int, algorithm: str = "au
                   output: str = "fp8_static") -> bool:
     """Whether arfuse has a kernel with FP8 output `output` (fp8_static, fp8_group128) for
     (dtype, hidden, world size) and every algorithm that `algorithm` may dispatch to (auto:
-    one-shot and two-shot)."""
+    one-shot and two-shot; at world size 1 the local algorithm)."""
     import arfuse
+    from arfuse._vocab import algorithms_for
 
-    algorithms = ("oneshot", "twoshot") if algorithm == "auto" else (algorithm,)
+    algorithms = algorithms_for(world_size) if algorithm == "auto" else (algorithm,)
     try:
         return all(
             arfuse.instance_for(dtype, hidden, world_size, a, output=output)
@@ -99,12 +102,34 @@ def fp8_supported(dtype: Any, hidden: int, world_size: int, algorithm: str = "au
         return False
 
 
+def algorithm_for(world_size: int, setting: str) -> str:
+    """The algorithm the fused calls ask for: the setting (ARFUSE_VLLM_ALGORITHM), except at
+    world size 1, which has no all-reduce and one algorithm: there a one-shot or two-shot
+    setting is logged once and "auto" (the local algorithm) used instead."""
+    from arfuse._vocab import LOCAL_ALGORITHMS
+
+    if world_size != 1 or setting == "auto" or setting in LOCAL_ALGORITHMS:
+        return setting
+    global _warned_algorithm
+    if not _warned_algorithm:
+        _warned_algorithm = True
+        logger.info("arfuse: %s=%s applies to tensor parallelism > 1; at tensor parallelism 1 "
+                    "the fused calls run the local algorithm (no all-reduce)",
+                    _settings.ALGORITHM_ENV, setting)
+    return "auto"
+
+
+_warned_algorithm = False
+
+
 def get_communicator(vllm_config: Any, *, create: bool = True) -> Any | None:
     """The arfuse.Communicator for vLLM's tensor-parallel group and this config's model.
 
-    None when there is nothing to fuse (tensor parallelism 1, no model config) or arfuse does not
-    serve the model's (dtype, hidden, world size). Creating it is collective: every rank of the
-    group must ask at the same point (the hooks do). `create=False` only looks it up.
+    None when there is nothing to fuse (vLLM's groups not set up, no model config) or arfuse does
+    not serve the model's (dtype, hidden, world size); at tensor parallelism 1 it is a
+    communicator of world size 1 (the local algorithm, no buffers). Creating it is collective:
+    every rank of the group must ask at the same point (the hooks do). `create=False` only looks
+    it up.
     """
     wanted = plan(vllm_config)
     if wanted is None:

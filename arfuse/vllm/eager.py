@@ -156,6 +156,10 @@ def moe_finalize_allreduce_rms_norm(
             vllm_config = None
         communicator = get_communicator(vllm_config)
     algorithm = algorithm or from_env().algorithm
+    if communicator is not None:
+        from .communicators import algorithm_for
+
+        algorithm = algorithm_for(int(communicator.world_size), algorithm)
     if communicator is not None and fp8_scale is not None:
         from .communicators import fp8_supported
 

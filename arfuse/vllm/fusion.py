@@ -1,7 +1,7 @@
 """The arfuse fusion pass for vLLM's post-grad pass manager.
 
 Written against vLLM 0.26.0 and run under 0.34.0 too (tests/vllm, both lanes); what it uses of
-vLLM is listed in arfuse/vllm/contract.py and checked for every release 0.26.0 ... 0.34.0. There
+vLLM is listed in arfuse/vllm/contract/ and checked for every release 0.26.0 ... 0.34.0. There
 the all-reduce fusion runs before vLLM's IR lowering, so the graph it sees holds
 
     torch.ops.vllm.all_reduce.default(x, group_name)
@@ -30,6 +30,13 @@ vLLM 0.26.0 never hands the unfinalized MoE output (permuted rows + index map + 
 graph: the finalize runs inside the opaque moe_forward ops, and UnfinalizedMoEOutput does not exist
 in that release. So there is no graph pattern for arfuse's permuted layout here; the eager call in
 arfuse.vllm.eager takes that form instead.
+
+At tensor parallelism 1 vLLM's graph holds no all-reduce (its GroupCoordinator returns the
+input of a one-rank group), and vLLM's fused_add_rms_norm already does the residual add and the
+norm in one kernel: what is left to fuse is the MoE tail on the expert rows (the Rows* patterns
+without the all-reduce: rows -> sum -> (* rsf) -> (+ shared) -> fused_add_rms_norm), replaced by
+one arfuse call of the local algorithm (and the FP8 folds after it); every other pattern stays
+out (patterns.patterns_for).
 
 The pass touches a graph only for compile ranges whose largest token count fits the communicator
 (`is_applicable_for_range`), and only when the communicator serves the model's hidden size, dtype
@@ -75,6 +82,9 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
 
     Args:
         config: the VllmConfig the pass manager is configured with.
+        all_reduce: whether the graphs hold vLLM's all-reduce (None: vLLM's tensor-parallel
+            group has more than one rank); without it (tensor parallelism 1) only the MoE tails
+            on the expert rows are patterns (patterns.patterns_for).
         communicator: an open arfuse.Communicator for vLLM's tensor-parallel group. None: take the
             one kept for this config (arfuse.vllm.communicators.get_communicator), creating it
             if needed.
@@ -97,6 +107,7 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
         *,
         algorithm: str | None = None,
         fp8: bool | None = None,
+        all_reduce: bool | None = None,
     ) -> None:
         super().__init__(config)
         self.pass_name = "arfuse_allreduce_fusion_pass"
@@ -116,7 +127,11 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
             )
         self.hidden: int | None = None
         self.world_size = get_tensor_model_parallel_world_size()
-        self.group_name = get_tp_group().unique_name
+        # Whether vLLM's graph holds its all-reduce: GroupCoordinator.all_reduce returns a
+        # one-rank group's input unchanged, so at tensor parallelism 1 no op is traced.
+        tp = get_tp_group()
+        self.all_reduce_in_graph = tp.world_size > 1 if all_reduce is None else bool(all_reduce)
+        self.group_name = tp.unique_name
         self.handle: int | None = None
         self.max_tokens = 0
         self._warned_symbolic = False
@@ -137,6 +152,9 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
             self._disable(mismatch)
             return
         self.communicator = communicator
+        # A communicator of world size 1 has no all-reduce: the local algorithm, whatever the
+        # setting (one-shot or two-shot would be refused by the op).
+        self.algorithm = _comms.algorithm_for(int(communicator.world_size), self.algorithm)
         self.handle = int(communicator.handle)
         self.max_tokens = int(communicator.max_tokens)
         if env.fp8 if fp8 is None else fp8:
@@ -214,6 +232,7 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
             "hidden": self.hidden,
             "dtype": str(self.model_dtype),
             "world_size": self.world_size,
+            "all_reduce_in_graph": self.all_reduce_in_graph,
             "group": self.group_name,
             "max_tokens": self.max_tokens,
             # The handle is an int baked into the graph: a graph compiled for one handle must
@@ -238,12 +257,13 @@ class ArfuseAllReduceFusionPass(VllmPatternMatcherPass):
             dtype=self.model_dtype,
             device=self.device or "cpu",
             max_tokens=self.max_tokens,
+            all_reduce=self.all_reduce_in_graph,
         )
         checks = _patterns.Checks(self.hidden, self.model_dtype, self._symbolic_ok,
                                   self._warn_symbolic)
         for eps in EPSILONS:
             for wb in WEIGHT_BIASES:
-                for cls in _patterns.PATTERNS:
+                for cls in _patterns.patterns_for(self.all_reduce_in_graph):
                     self.specs += cls(target, checks, eps, wb).register(self.patterns)
 
     def _symbolic_ok(self) -> bool:

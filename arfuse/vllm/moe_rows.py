@@ -236,8 +236,9 @@ def _allowed_quant_methods() -> tuple[type, ...]:
 def ineligible(runner: Any) -> list[str]:
     """Why this MoE layer keeps vLLM's own path (empty: its rows can go to arfuse). Eligible: a
     plain MoERunner whose experts are vLLM's TritonExperts (bf16 or FP8-block) on the
-    no-DP/EP modular path, tensor-parallel only, no LoRA, nothing between the experts and the
-    all-reduce but the routed scale and the shared add."""
+    no-DP/EP modular path, tensor-parallel only (any size, 1 included: there the tail has no
+    all-reduce), no LoRA, nothing between the experts and the all-reduce (or, at tensor
+    parallelism 1, the next norm) but the routed scale and the shared add."""
     from vllm.model_executor.layers.fused_moe import modular_kernel as mk
     from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
     from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
@@ -296,8 +297,6 @@ def ineligible(runner: Any) -> list[str]:
         why.append("router weights on the input")
     if runner.enable_dbo:
         why.append("dual-batch overlap")
-    if int(cfg.tp_size) <= 1:
-        why.append("tensor parallelism 1 (no all-reduce)")
     return why
 
 

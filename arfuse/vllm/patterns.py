@@ -130,6 +130,9 @@ class Target:
     dtype: torch.dtype
     device: Any
     max_tokens: int
+    # Whether vLLM's graph holds its all-reduce (False at tensor parallelism 1: vLLM's
+    # GroupCoordinator returns a one-rank group's input, no op is traced).
+    all_reduce: bool = True
 
     def act(self) -> torch.Tensor:
         t = max(1, min(EXAMPLE_TOKENS, self.max_tokens))
@@ -226,6 +229,11 @@ class FusionPattern:
         return w.float() + 1.0 if self.wb else w
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """vLLM's all-reduce as its graph holds it: torch.ops.vllm.all_reduce for tensor
+        parallelism > 1, nothing at 1 (GroupCoordinator.all_reduce returns a one-rank group's
+        input)."""
+        if not self.target.all_reduce:
+            return x
         return self.ar(x, self.target.group_name)
 
     def add_rms_norm(self, y: torch.Tensor, residual: torch.Tensor, w: torch.Tensor) -> Any:
@@ -526,6 +534,14 @@ class AllReduceRMSNorm(FusionPattern):
 
     def inputs(self) -> list[Any]:
         return [self.target.act(), self.target.gamma()]
+
+
+def patterns_for(all_reduce: bool) -> tuple[type[FusionPattern], ...]:
+    """The patterns the pass registers: all of PATTERNS where vLLM's graph holds its all-reduce
+    (tensor parallelism > 1), else (tensor parallelism 1) the MoE tails on the expert rows alone:
+    without the all-reduce the others are one vLLM kernel already (fused_add_rms_norm, with at
+    most an elementwise add before it that Inductor fuses into its own code)."""
+    return PATTERNS if all_reduce else ROWS_PATTERNS
 
 
 # The order of registration (per eps and weight_bias).

@@ -10,7 +10,9 @@ items of arfuse.vllm.contract), each once per process (register() is re-entrant)
    put in front of vLLM's own all-reduce / norm-quant fusion passes (so it sees the all-reduce +
    norm pairs first), i.e. still before vLLM's IR lowering. vLLM has no plugin API for compile
    passes (PassConfig forbids extra fields; the post_grad_custom_post_pass slot, arfuse.vllm.slot,
-   runs after the built-in fusions), hence the wrapper. With tensor parallelism 1 nothing is added.
+   runs after the built-in fusions), hence the wrapper. With tensor parallelism 1 the pass holds
+   only the MoE-tail patterns on the expert rows, without an all-reduce (the local algorithm),
+   and is added only where the rows switch (3.) is on.
 2. The compile cache key: VllmConfig.compute_hash up to 0.33 (0.30+ with an include_version
    keyword, hence *args/**kwargs), VllmConfig.compile_factors from 0.34 (compute_hash is gone; the
    compile cache, the AOT artifacts and FlashInfer's autotune cache hash these factors). The key
@@ -34,7 +36,8 @@ installed vLLM and stays off (one log line) if something the integration needs i
 
 The communicator is created lazily (first of: the hook above, the pass, the eager call) over the
 tensor-parallel group's gloo group, with max_tokens = scheduler_config.max_num_batched_tokens
-(capped by ARFUSE_VLLM_MAX_TOKENS), and only when arfuse serves (dtype, hidden, world size).
+(capped by ARFUSE_VLLM_MAX_TOKENS), and only when arfuse serves (dtype, hidden, world size); at
+tensor parallelism 1 it has world size 1 (the local algorithm: nothing exchanged or allocated).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from typing import Any
 
 from . import communicators as _comms
 from . import contract as _contract
+from .contract.installed import check_installed as _check_installed
 from . import guard as _guard
 from . import settings as _settings
 from .guard import logger
@@ -109,11 +113,14 @@ def add_pass(pass_manager: Any, fusion_pass: Any) -> None:
     passes.append(fusion_pass)
 
 
-def build_pass(vllm_config: Any) -> Any | None:
+def build_pass(vllm_config: Any, *, rows: bool = False) -> Any | None:
     """The arfuse pass for `vllm_config`, wrapped in GuardedPass; None when there is nothing to
-    fuse (tensor parallelism 1, no communicator for the model). Exceptions propagate (the callers
-    are guarded)."""
-    if _comms.tensor_parallel_size() <= 1:
+    fuse (no communicator for the model; tensor parallelism 1 without `rows`). `rows`: the MoE
+    layers hand their expert rows to the graph (the plugin's switch, arfuse.vllm.moe_rows); at
+    tensor parallelism 1 the MoE tails on those rows are all there is to fuse (vLLM's graph has no
+    all-reduce), so without the switch no pass is built. Exceptions propagate (the callers are
+    guarded)."""
+    if _comms.tensor_parallel_size() <= 1 and not rows:
         return None
     from .fusion import ArfuseAllReduceFusionPass
     from .guarded_pass import GuardedPass
@@ -129,7 +136,7 @@ def configure_pass_manager(pass_manager: Any, vllm_config: Any) -> Any | None:
     is something to fuse. Returns the pass, or None when it stays out."""
     if any(type(p).__name__ in _ARFUSE_PASSES for p in pass_manager.passes):
         return None  # configure called twice on one manager
-    fusion_pass = build_pass(vllm_config)
+    fusion_pass = build_pass(vllm_config, rows=_settings.from_env().moe_rows)
     if fusion_pass is not None:
         add_pass(pass_manager, fusion_pass)
     return fusion_pass
@@ -186,7 +193,7 @@ def switch_moe_rows(vllm_config: Any) -> list[str]:
     if not _settings.from_env().moe_rows:
         return []
     if _rows_problems is None:
-        _rows_problems = _contract.summarize(_contract.check_installed(needs=("rows",)))
+        _rows_problems = _contract.summarize(_check_installed(needs=("rows",)))
         if _rows_problems:
             logger.warning("arfuse: MoE finalize stays in vLLM: this vLLM lacks %s",
                            "; ".join(_rows_problems))
@@ -233,7 +240,7 @@ def _unknown_release_problems() -> list[str]:
     version = _vllm_version()
     if version.split("+")[0] in _contract.SUPPORTED:
         return []
-    problems = _contract.summarize(_contract.check_installed(needs=("hook", "pass")))
+    problems = _contract.summarize(_check_installed(needs=("hook", "pass")))
     if not problems:
         logger.info("arfuse: vLLM %s is not among the releases checked (%s ... %s); the installed "
                     "vLLM has everything arfuse.vllm.contract lists", version,

@@ -28,6 +28,10 @@ struct Instance {
   int32_t tokens_per_block;
   int32_t cluster;            // CTAs per token (thread-block cluster size)
   int32_t max_hidden;         // largest hidden size served (== hidden when specialised)
+  // 0: every token count. Else a token split's twin (variants/tuning.yaml min_blocks_splits: the
+  // same plan built without its blocks-per-SM bound), served for T <= max_tokens; its sibling,
+  // the same combination with max_tokens 0, serves the larger T.
+  int32_t max_tokens;
   Launcher launch;
 };
 
@@ -48,10 +52,12 @@ int vector_elems(DType dtype);  // elements per 16-byte access
 const char* dtype_name(DType dtype);
 const char* algo_name(Algo algo);
 const char* out_name(OutKind out);
-// The instance that serves this combination: the specialised one, else the generic one, else
-// nullptr with *why set to one sentence naming the combination and the rule it breaks.
+// The instance that serves this combination at `tokens` tokens: the specialised one (of a token
+// split, the twin with the smallest max_tokens >= tokens, else its sibling; tokens < 0: the
+// sibling, which serves every token count), else the generic one, else nullptr with *why set to
+// one sentence naming the combination and the rule it breaks.
 const Instance* find_instance(DType dtype, int hidden, int world_size, Algo algo, OutKind out,
-                              std::string* why);
+                              int64_t tokens, std::string* why);
 // One-shot for T <= this; a measured threshold if the tuning table has one, else the default rule.
 int oneshot_max_tokens(DType dtype, int hidden, int world_size);
 // The default rule for unmeasured combinations (documented in docs/performance.md).

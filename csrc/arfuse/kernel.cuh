@@ -17,6 +17,9 @@
 //             [t_local][r] -> the owner sums its tokens in rank order, adds the residual and
 //             pushes residual_out rows to every rank's gather area -> every rank polls the
 //             gather area, writes residual_out and the RMSNorm of it.
+//   local (world size 1, no all-reduce): finalize each token, round the partial once to the
+//             activation dtype (as every rank's partial is) -> + residual -> RMSNorm, all in
+//             registers in one pass over the token: no workspace, no waits, no epoch.
 // Block b of every rank works on the same tokens in every phase it shares with its peers (one-shot:
 // token chunks b, b + G, ...; two-shot: the work items of TwoShotItems), so block b only ever
 // waits for blocks b of its peers. With blocks dispatched in index order no wait depends on a
@@ -71,14 +74,17 @@ struct KernelConfig {
                      kTpt % kGroupVecs == 0),
                 "quantization groups: hidden must be a multiple of the group and each CTA's slice "
                 "of the row whole groups");
-  static_assert(kAlgo == Algo::kOneShot || kAlgo == Algo::kTwoShot, "auto is resolved on the host");
+  static_assert(kAlgo == Algo::kOneShot || kAlgo == Algo::kTwoShot || kAlgo == Algo::kLocal,
+                "auto is resolved on the host");
+  static_assert((kAlgo == Algo::kLocal) == (kWorld == 1) || kWorld == 0,
+                "world size 1 is the local algorithm's alone (gen/plan.go worldRule)");
   static_assert(kGeneric || kHidden % kVec == 0, "hidden must be a multiple of the vector width");
   static_assert(kGeneric || (kTpt % 32 == 0 && kTpt > 0), "threads per token: whole warps");
   static_assert(kGeneric || (kHidden / kVec) % kCluster == 0, "cluster must divide the row");
   static_assert(kGeneric || (kHidden / kVec / kCluster) <= kTpt * kVpt, "row does not fit");
   static_assert(kVpt >= 1 && kVpt <= 8, "vectors per thread must be 1..8 (row in registers)");
   static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4 || kCluster == 8, "cluster size");
-  static_assert(kWorld == 0 || (kWorld >= 2 && kWorld <= kMaxWorld), "world size");
+  static_assert(kWorld == 0 || (kWorld >= 1 && kWorld <= kMaxWorld), "world size");
   static_assert(kBlockThreads <= 1024, "block too large");
   static_assert(kMinBlocks >= 0 && kMinBlocks * kBlockThreads <= 2048,
                 "min blocks per SM: at most 2048 threads per SM");
@@ -245,10 +251,17 @@ __device__ __forceinline__ float row_sum_squares(float partial, const Geometry<C
 // exchange's acquire invalidates L1, so an L1 prefetch of it does not survive).
 template <class Cfg>
 struct TokenRow {
-  static constexpr bool kGammaRegs = Cfg::kAlgo == Algo::kOneShot && !Cfg::kGeneric;
+  static constexpr bool kGammaRegs =
+      (Cfg::kAlgo == Algo::kOneShot || Cfg::kAlgo == Algo::kLocal) && !Cfg::kGeneric;
   uint4 rv[Cfg::kVpt];
   uint4 gamma[kGammaRegs ? Cfg::kVpt : 1];
   bool gamma_in_regs = false;
+
+  // Vector i before the token's loads (threads without a vector there keep the zeros).
+  __device__ __forceinline__ void clear(int i) {
+    rv[i] = make_uint4(0, 0, 0, 0);
+    if constexpr (kGammaRegs) gamma[i] = make_uint4(0, 0, 0, 0);
+  }
 };
 
 // y = the RMSNorm of vector i (element v * kVec) of the row, in float32:
@@ -465,8 +478,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
     float sq = 0.0f;
 #pragma unroll
     for (int i = 0; i < kVpt; ++i) {
-      row.rv[i] = make_uint4(0, 0, 0, 0);
-      if constexpr (TokenRow<Cfg>::kGammaRegs) row.gamma[i] = make_uint4(0, 0, 0, 0);
+      row.clear(i);
       const int v = geo.vec(i);
       if (!valid || v < 0) continue;
       const int64_t elem = static_cast<int64_t>(v) * kVec;
@@ -534,18 +546,84 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
   }
 }
 
+// The world-size-1 op (Algo::kLocal): per token, the finalize, the partial rounded once to the
+// activation dtype (the op's definition at every world size: residual_out is bitwise what the CPU
+// implementation and a one-rank all-reduce give), + residual, residual_out stored, RMSNorm; the
+// row stays in registers between the steps, and nothing is exchanged, waited for or reset. The
+// residual and gamma loads are issued before the expert rows', so the token's loads are all in
+// flight together. Block (cluster) b takes token chunks b, b + G, ... of the grid.
+template <class Cfg>
+__device__ __forceinline__ void local_body(const LaunchParams& p) {
+  using T = typename Cfg::T;
+  constexpr int kVec = Cfg::kVec;
+  constexpr int kVpt = Cfg::kVpt;
+
+  __shared__ ReduceSmem<Cfg> reduce_smem;
+
+  const Geometry<Cfg> geo(p);
+  Reducer<Cfg> red(&reduce_smem);
+  const int64_t H = geo.H;
+  const int units = (geo.T + Cfg::kTpb - 1) / Cfg::kTpb;
+  for (int w = geo.cluster_id; w < units; w += geo.num_clusters) {
+    const int64_t t = static_cast<int64_t>(w) * Cfg::kTpb + geo.g;
+    const bool valid = geo.g < Cfg::kTpb && t < geo.T;
+    TokenRow<Cfg> row;
+    float sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kVpt; ++i) {
+      row.clear(i);
+      const int v = geo.vec(i);
+      if (!valid || v < 0) continue;
+      const int64_t elem = static_cast<int64_t>(v) * kVec;
+      const uint4 res = p.residual != nullptr
+                            ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
+                            : make_uint4(0, 0, 0, 0);
+      load_gamma_regs<Cfg>(p, row, i, v);
+      float acc[kVec];
+      finalize_vec<T, true>(p, t, elem, acc);
+      uint4 rv = pack<T>(acc);  // the partial, rounded once
+      if (p.residual != nullptr) {  // without one, residual_out is the partial as it is
+        float s[kVec], r[kVec];
+        unpack<T>(rv, s);
+        unpack<T>(res, r);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s[j] += r[j];
+        rv = pack<T>(s);
+      }
+      row.rv[i] = rv;
+      st_vec(static_cast<T*>(p.residual_out) + t * H + elem, rv);
+      float f[kVec];
+      unpack<T>(rv, f);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) sq = fmaf(f[j], f[j], sq);
+    }
+    const float total = row_sum_squares<Cfg>(sq, geo, red);
+    write_norm<Cfg>(p, geo, t, row, total, valid, red);
+  }
+  red.finish();
+}
+
+template <class Cfg>
+__device__ __forceinline__ void kernel_body(const LaunchParams& p) {
+  if constexpr (Cfg::kAlgo == Algo::kLocal) {
+    local_body<Cfg>(p);
+  } else {
+    fused_body<Cfg>(p);
+  }
+}
+
 // The kernel. __launch_bounds__ takes the plan's minimum of blocks per SM only where the plan
 // asks for one: an explicit 1 is not the same as none (ptxas then allocated 108 registers to
 // instances that take 72 without it).
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kBlockThreads)
     fused_kernel(const __grid_constant__ LaunchParams p) {
-  fused_body<Cfg>(p);
+  kernel_body<Cfg>(p);
 }
 template <class Cfg>
 __global__ void __launch_bounds__(Cfg::kBlockThreads, Cfg::kMinBlocks)
     fused_kernel_min_blocks(const __grid_constant__ LaunchParams p) {
-  fused_body<Cfg>(p);
+  kernel_body<Cfg>(p);
 }
 template <class Cfg>
 constexpr auto kernel_of() {
@@ -586,7 +664,7 @@ cudaError_t launch_fused(const LaunchParams& p, cudaStream_t stream) {
   cudaError_t err = detail::co_resident_blocks(kernel, block, Cfg::kCluster, &per_device);
   if (err != cudaSuccess) return err;
   int cap = per_device;
-  if (p.ranks_per_device > 1) {
+  if (Cfg::kAlgo != Algo::kLocal && p.ranks_per_device > 1) {
     // Emulated group: N grids share one GPU. Each gets 3/4 of its 1/N share, cluster grids half:
     // packing the GPU exactly full is not enough (seen on the H200: 8 ranks of 2-blocks-per-SM
     // grids sized to exactly 1/8 of the occupancy count, and 8 ranks of 4-CTA clusters, did not

@@ -88,8 +88,9 @@ int64_t flush_launches(bool launch);
 
 // ---- introspection ----
 std::vector<std::string> supported_variants();
+// The instance that serves the combination at num_tokens tokens (< 0: at every token count).
 std::string instance_for(ScalarType dtype, int64_t hidden, int64_t world_size, int64_t algorithm,
-                         int64_t out_kind);
+                         int64_t out_kind, int64_t num_tokens);
 int64_t oneshot_threshold(ScalarType dtype, int64_t hidden, int64_t world_size);
 
 }  // namespace arfuse::ops

@@ -10,17 +10,21 @@
 
 namespace arfuse {
 
-// Bumped whenever LaunchParams, the kernel template's parameters or the launcher signature change.
+// Bumped whenever LaunchParams, the kernel template's parameters, the launcher signature or the
+// dispatch table's Instance (csrc/arfuse/dispatch.h) change.
 // Every generated file static_asserts on it, so stale generated output stops compiling.
-#define ARFUSE_DEVICE_API_VERSION 10
+#define ARFUSE_DEVICE_API_VERSION 12
 
 constexpr int kMaxWorld = 16;   // largest tensor-parallel group a communicator serves
 constexpr int kMaxTopK = 64;    // largest K (experts per token) accepted by the op
 
 // Scalar types as the dispatch table names them (same order as the generator's dtype table).
 enum class DType : int32_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
-// Algorithms. kAuto is resolved on the host from the tuned one-shot/two-shot threshold.
-enum class Algo : int32_t { kAuto = 0, kOneShot = 1, kTwoShot = 2 };
+// Algorithms. kAuto is resolved on the host: kLocal at world size 1, else one-shot or two-shot by
+// the tuned threshold. kLocal is the world-size-1 op (finalize + shared add + residual + RMSNorm,
+// no communication: no workspace, no waits) and serves world size 1 only; the all-reduce
+// algorithms serve world sizes 2 and up.
+enum class Algo : int32_t { kAuto = 0, kOneShot = 1, kTwoShot = 2, kLocal = 3 };
 // Output kinds: kNorm writes norm_out in the activation dtype; the others write FP8-e4m3
 // (saturating) and differ in the scale:
 //   kFP8Static:   saturate(y * (1 / scale)), a float32 per-tensor scale input (fp8_scale);

@@ -133,10 +133,18 @@ int64_t create(int64_t rank, int64_t world_size, int64_t hidden, ScalarType dtyp
                      " is not supported (want a CUDA device; CPU only for world_size 1)");
   if (device.is_cuda()) {
     std::string why;
-    const bool any = find_instance(dt, static_cast<int>(hidden), static_cast<int>(world_size),
-                                   Algo::kOneShot, OutKind::kNorm, &why) != nullptr ||
-                     find_instance(dt, static_cast<int>(hidden), static_cast<int>(world_size),
-                                   Algo::kTwoShot, OutKind::kNorm, &why) != nullptr;
+    bool any = false;
+    for (const Algo a : {Algo::kOneShot, Algo::kTwoShot, Algo::kLocal}) {
+      if (find_instance(dt, static_cast<int>(hidden), static_cast<int>(world_size), a,
+                        OutKind::kNorm, /*tokens=*/-1, nullptr) != nullptr) {
+        any = true;
+      }
+    }
+    if (!any) {  // the reason of the algorithm that serves this world size
+      find_instance(dt, static_cast<int>(hidden), static_cast<int>(world_size),
+                    world_size == 1 ? Algo::kLocal : Algo::kOneShot, OutKind::kNorm,
+                    /*tokens=*/-1, &why);
+    }
     ARFUSE_CHECK_VALUE(any, "hidden: ", why);
   }
 
@@ -152,8 +160,11 @@ int64_t create(int64_t rank, int64_t world_size, int64_t hidden, ScalarType dtyp
   c->cuda = device.is_cuda();
   c->device_index = c->cuda ? (device.has_index() ? device.index() : current_device()) : -1;
   c->timeout_ns = static_cast<int64_t>(timeout_s * 1e9);
-  c->slot_elems = rows_per_slot(world_size, max_tokens, oneshot_max_tokens) * hidden;
-  if (c->cuda) {
+  // World size 1 runs the local algorithm: no peers, no exchange, so no Lamport buffer, control
+  // block or error word (nothing is allocated; the kernel reads only the call's tensors).
+  c->slot_elems =
+      world_size == 1 ? 0 : rows_per_slot(world_size, max_tokens, oneshot_max_tokens) * hidden;
+  if (c->cuda && world_size > 1) {
     try {
       allocate(*c);
     } catch (...) {
@@ -191,6 +202,8 @@ void destroy(int64_t handle) {
 
 std::vector<uint8_t> ipc_handle(const Comm& c) {
   ARFUSE_CHECK_VALUE(c.cuda, "comm: a CPU communicator has no IPC handle");
+  ARFUSE_CHECK_VALUE(c.data != nullptr, "comm: a communicator of world size 1 has no buffer ",
+                     "(the local algorithm exchanges nothing), so no IPC handle");
   const DeviceScope scope(c.device_index);
   cudaIpcMemHandle_t h;
   ARFUSE_CUDA_CHECK(cudaIpcGetMemHandle(&h, c.data), "cudaIpcGetMemHandle");

@@ -14,6 +14,7 @@ namespace arfuse::host {
 namespace {
 
 struct Pending {
+  const Comm* comm;  // whose launch it is (a world-size-1 communicator has no control block)
   const Instance* instance;
   LaunchParams params;
   cudaStream_t stream;
@@ -95,7 +96,7 @@ void launch_fused(const Comm& c, const Checked& k, const Inputs& in, double eps,
     if (t->has_value()) keep.push_back(**t);
   }
   if (out.scale_ub != nullptr && out.scale_ub->has_value()) keep.push_back(**out.scale_ub);
-  t_pending.push_back(Pending{k.instance, p, stream, c.device_index, std::move(keep)});
+  t_pending.push_back(Pending{&c, k.instance, p, stream, c.device_index, std::move(keep)});
 }
 
 void defer(bool enable) {
@@ -123,7 +124,7 @@ int64_t flush(bool do_launch) {
 
 bool has_pending(const Comm& c) {
   for (const Pending& q : t_pending) {
-    if (q.params.ctrl == c.ctrl) return true;
+    if (q.comm == &c) return true;
   }
   return false;
 }

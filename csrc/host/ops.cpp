@@ -226,14 +226,15 @@ std::vector<std::string> supported_variants() {
 }
 
 std::string instance_for(ScalarType dtype, int64_t hidden, int64_t world_size, int64_t algorithm,
-                         int64_t out_kind) {
-  ARFUSE_CHECK_VALUE(algorithm == 1 || algorithm == 2, "algorithm: want 1 or 2");
+                         int64_t out_kind, int64_t num_tokens) {
+  ARFUSE_CHECK_VALUE(algorithm >= 1 && algorithm <= 3,
+                     "algorithm: want 1 (oneshot), 2 (twoshot) or 3 (local)");
   ARFUSE_CHECK_VALUE(host::find_out_kind(out_kind) != nullptr, "out_kind: ", out_kind,
                      " is not one of ", host::out_kind_list());
   std::string why;
   const Instance* inst = find_instance(host::to_dtype(dtype, "dtype"), static_cast<int>(hidden),
                                        static_cast<int>(world_size), static_cast<Algo>(algorithm),
-                                       static_cast<OutKind>(out_kind), &why);
+                                       static_cast<OutKind>(out_kind), num_tokens, &why);
   return inst ? std::string(inst->name) : std::string();
 }
 

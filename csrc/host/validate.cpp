@@ -191,18 +191,35 @@ void check_dynamic_quant(Checked& k, const DynamicQuant& dq, const Comm& c, cons
   k.out = kind->kind;
 }
 
+// The algorithm against the world size (CPU and CUDA communicators alike): world size 1 has no
+// all-reduce and runs the local algorithm (auto picks it); local serves world size 1 only.
+void check_algorithm(const Comm& c, int64_t algorithm) {
+  ARFUSE_CHECK_VALUE(algorithm >= 0 && algorithm <= 3, "algorithm: ", algorithm,
+                     " is not one of 0 (auto), 1 (oneshot), 2 (twoshot), 3 (local)");
+  const Algo algo = static_cast<Algo>(algorithm);
+  if (c.world == 1) {
+    ARFUSE_CHECK_VALUE(algo == Algo::kAuto || algo == Algo::kLocal, "algorithm: ",
+                       algo_name(algo), " is an all-reduce algorithm; a communicator of world ",
+                       "size 1 has no all-reduce (want auto or local)");
+  } else {
+    ARFUSE_CHECK_VALUE(algo != Algo::kLocal, "algorithm: local is the world-size-1 op; this ",
+                       "communicator has world size ", c.world, " (want auto, oneshot or twoshot)");
+  }
+}
+
 // Algorithm and instance, decided before anything is launched.
 void choose_instance(Checked& k, const Comm& c, int64_t algorithm) {
   Algo algo = static_cast<Algo>(algorithm);
   const int H = static_cast<int>(k.H);
   std::string why;
+  if (algo == Algo::kAuto && c.world == 1) algo = Algo::kLocal;
   if (algo == Algo::kAuto) {
     const int64_t limit = std::min<int64_t>(c.oneshot_cap, oneshot_max_tokens(c.dtype, H, c.world));
     algo = k.T <= limit ? Algo::kOneShot : Algo::kTwoShot;
-    if (find_instance(c.dtype, H, c.world, algo, k.out, nullptr) == nullptr) {
+    if (find_instance(c.dtype, H, c.world, algo, k.out, k.T, nullptr) == nullptr) {
       const Algo other = algo == Algo::kOneShot ? Algo::kTwoShot : Algo::kOneShot;
       if ((other == Algo::kTwoShot || k.T <= c.oneshot_cap) &&
-          find_instance(c.dtype, H, c.world, other, k.out, nullptr) != nullptr) {
+          find_instance(c.dtype, H, c.world, other, k.out, k.T, nullptr) != nullptr) {
         algo = other;
       }
     }
@@ -212,9 +229,9 @@ void choose_instance(Checked& k, const Comm& c, int64_t algorithm) {
                        " tokens exceeds the communicator's oneshot_max_tokens=", c.oneshot_cap);
   }
   k.algo = algo;
-  k.instance = find_instance(c.dtype, H, c.world, algo, k.out, nullptr);
+  k.instance = find_instance(c.dtype, H, c.world, algo, k.out, k.T, nullptr);
   if (k.instance == nullptr) {
-    find_instance(c.dtype, H, c.world, algo, k.out, &why);  // the reason, only when it is needed
+    find_instance(c.dtype, H, c.world, algo, k.out, k.T, &why);  // the reason, only when it is needed
     ARFUSE_CHECK_VALUE(false, why);
   }
 }
@@ -229,8 +246,7 @@ Checked validate_fused(const Comm& c, const Tensor& expert_out, const OptTensor&
   static const char* const kOwner = "the communicator's";
   Checked k;
   ARFUSE_CHECK_VALUE(c.peers_ready, "comm: peers are not set (Communicator not finished)");
-  ARFUSE_CHECK_VALUE(algorithm >= 0 && algorithm <= 2, "algorithm: ", algorithm,
-                     " is not one of 0 (auto), 1 (oneshot), 2 (twoshot)");
+  check_algorithm(c, algorithm);
   const Placement where{check_device, c.device_index, "the communicator"};
   k.device = check_device ? c.device_index : -1;
   if (c.local_group) {

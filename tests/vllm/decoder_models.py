@@ -11,7 +11,8 @@ vLLM's PostGradPassManager (configured by VllmBackend) running the post-grad pas
 
 What differs from a GPU deployment, and why:
 
-* Tensor parallelism is 2 as far as the model sees it (`tensor_parallel(2)`): vLLM's
+* Tensor parallelism is 2 as far as the model sees it (`tensor_parallel(2)`; a model built with
+  tp=1 is the single-GPU case, whose graph has no all-reduce, as on a GPU): vLLM's
   GroupCoordinator.all_reduce returns its input unchanged for one rank, so a TP=1 graph has no
   all-reduce. The TP group reports world size 2 and calls torch.ops.vllm.all_reduce (as it does
   on CUDA), while the process group underneath has this one process: the layers are built as
@@ -551,21 +552,22 @@ class Built:
     model: torch.nn.Module
     dtype: torch.dtype
     vocab_shard: int  # token ids < this embed on rank 0 (the others are rank 1's)
+    tp: int = 2  # the tensor-parallel size the model was built (and is run) as
 
 
 def build(
-    root: Path, case: ModelCase, dtype: torch.dtype, seed: int, **compilation: Any
+    root: Path, case: ModelCase, dtype: torch.dtype, seed: int, *, tp: int = 2, **compilation: Any
 ) -> Built:
-    """vLLM's model class for the case, as rank 0 of TP=2, random weights from `seed`, then
-    vLLM's process_weights_after_loading (which sets up the CPU MoE backend); `compilation`:
-    further CompilationConfig fields."""
+    """vLLM's model class for the case, as rank 0 of TP=tp (default 2), random weights from
+    `seed`, then vLLM's process_weights_after_loading (which sets up the CPU MoE backend);
+    `compilation`: further CompilationConfig fields."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     config = model_config(root, case, dtype, **compilation)
     H.ensure_distributed(config)
     default = torch.get_default_dtype()
-    with tensor_parallel(2), cpu_build(), set_current_vllm_config(config):
+    with tensor_parallel(tp), cpu_build(), set_current_vllm_config(config):
         torch.set_default_dtype(dtype)
         try:
             model = case.model_cls()(vllm_config=config, prefix="model")
@@ -578,8 +580,8 @@ def build(
     init_weights(model, torch.Generator().manual_seed(seed))
     process_weights_after_loading(model, config.model_config, torch.device("cpu"))
     _ensure_workspace()
-    vocab = case.config["vocab_size"] // 2
-    return Built(case, config, model.requires_grad_(False), dtype, vocab)
+    vocab = case.config["vocab_size"] // tp
+    return Built(case, config, model.requires_grad_(False), dtype, vocab, tp)
 
 
 def inputs(built: Built, tokens: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -592,7 +594,7 @@ def inputs(built: Built, tokens: int, generator: torch.Generator) -> tuple[torch
 
 def run_eager(built: Built, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The model's forward, uncompiled (vLLM's decorator skips compilation while
-    do_not_compile is set), as rank 0 of TP=2."""
+    do_not_compile is set), as rank 0 of the TP size it was built for."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
@@ -600,7 +602,7 @@ def run_eager(built: Built, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
     saved = model.do_not_compile
     model.do_not_compile = True
     try:
-        with tensor_parallel(2), set_current_vllm_config(built.config), \
+        with tensor_parallel(built.tp), set_current_vllm_config(built.config), \
                 set_forward_context(None, built.config), torch.no_grad():
             return model(*[a.clone() for a in args], None)
     finally:
@@ -645,7 +647,7 @@ def compile_and_run(
     outputs = []
     adding = H.pass_added_by_plugin() if slot is None else H.recorded_when_vllm_adds(slot)
     with H.redirect_plugin_to(communicator), adding as record, \
-            tensor_parallel(2), set_current_vllm_config(built.config), \
+            tensor_parallel(built.tp), set_current_vllm_config(built.config), \
             set_forward_context(None, built.config), torch.no_grad():
         for args in arg_sets:
             outputs.append(model(*[a.clone() for a in args], None))

@@ -97,13 +97,16 @@ def main() -> None:
     if Worker is not None:
         worker_hooked = getattr(getattr(Worker, "load_model", None), MARK, False)
 
-    # vLLM running with tensor parallelism 1: the hooks must change nothing.
+    # vLLM running with tensor parallelism 1: off, the hooks change nothing; on, the pass holds
+    # the MoE-tail patterns on the expert rows only (no all-reduce in the graph) and the
+    # communicator has world size 1.
     H.ensure_distributed(config)
     pm = PostGradPassManager()
     if configure is not None:
         with set_current_vllm_config(config):
             pm.configure(config)
-    comm = communicators.get_communicator(config)
+    # Only the plugin's own hooks ask for a communicator (none run while it is off).
+    comm = communicators.get_communicator(config) if plugin.is_registered() else None
 
     print(
         json.dumps(
@@ -127,6 +130,9 @@ def main() -> None:
                 "variants_after": cache_key_variants(config),
                 "tp1_passes": [type(p).__name__ for p in pm.passes],
                 "tp1_communicator": comm is not None,
+                "tp1_world": None if comm is None else comm.world_size,
+                "tp1_kinds": sorted({s.kind for p in pm.passes
+                                     for s in getattr(getattr(p, "inner", p), "specs", [])}),
             }
         )
     )

@@ -3,7 +3,9 @@ before vLLM is imported): one of vLLM's real MoE models, built small on the CPU,
 vLLM compiles it with the arfuse pass, with and without the MoE finalize handed to arfuse
 (arfuse.vllm.moe_rows.switch). Prints what happened as JSON.
 
-Usage: python rows_probe.py ROOT CASE MODE SEED
+Usage: python rows_probe.py ROOT CASE MODE SEED [TP]
+  TP    the tensor-parallel size the model is built and compiled as (default 2; 1: no
+        all-reduce in the graph, the single-GPU case)
   CASE  qwen3-moe | deepseek-v3 | mixtral
   MODE  triton: the experts are vLLM's TritonExperts (what vLLM picks on Hopper), run by Triton's
         interpreter with triton_cpu's stand-ins; the switch is expected to take every layer.
@@ -99,10 +101,10 @@ def triton_build():
         yield
 
 
-def build(root: Path, case, mode: str, seed: int):
+def build(root: Path, case, mode: str, seed: int, tp: int):
     """The case's model: with vLLM's CPU MoE backend (mode cpu), else with TritonExperts."""
     if mode == "cpu":
-        return D.build(root, case, torch.bfloat16, seed)
+        return D.build(root, case, torch.bfloat16, seed, tp=tp)
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
@@ -113,7 +115,7 @@ def build(root: Path, case, mode: str, seed: int):
     config = D.model_config(root, case, torch.bfloat16, passes=passes)
     H.ensure_distributed(config)
     default = torch.get_default_dtype()
-    with D.tensor_parallel(2), triton_build(), set_current_vllm_config(config):
+    with D.tensor_parallel(tp), triton_build(), set_current_vllm_config(config):
         torch.set_default_dtype(torch.bfloat16)
         try:
             model = case.model_cls()(vllm_config=config, prefix="model")
@@ -128,7 +130,7 @@ def build(root: Path, case, mode: str, seed: int):
         process_weights_after_loading(model, config.model_config, torch.device("cpu"))
     D._ensure_workspace()
     return D.Built(case, config, model.requires_grad_(False), torch.bfloat16,
-                   case.config["vocab_size"] // 2)
+                   case.config["vocab_size"] // tp, tp)
 
 
 def rows_source(node) -> str:
@@ -152,7 +154,7 @@ def calls(graph: torch.fx.Graph) -> list[dict]:
         out.append({"dims": v.dim() if v is not None else None,
                     "k": int(v.shape[1]) if v is not None and v.dim() == 3 else None,
                     "source": rows_source(x), "shared": rows_source(n.args[3]),
-                    "weights": repr(n.args[2]), "scale": n.args[8]})
+                    "weights": repr(n.args[2]), "scale": n.args[8], "algorithm": n.args[11]})
     return out
 
 
@@ -200,7 +202,7 @@ def peak_bytes(built, block: torch.nn.Module, x: torch.Tensor) -> tuple[LiveByte
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    with D.tensor_parallel(2), set_current_vllm_config(built.config), \
+    with D.tensor_parallel(built.tp), set_current_vllm_config(built.config), \
             set_forward_context(None, built.config), torch.no_grad():
         block(x.clone())
         x = x.clone()
@@ -235,11 +237,12 @@ def main() -> None:
     from vllm.model_executor.layers.fused_moe import override_config
 
     root, name, mode, seed = Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+    tp = int(sys.argv[5]) if len(sys.argv) > 5 else 2
     case = CASES[name]
-    out: dict = {"vllm": vllm.__version__, "setup": SETUP, "case": name, "mode": mode}
+    out: dict = {"vllm": vllm.__version__, "setup": SETUP, "case": name, "mode": mode, "tp": tp}
     t0 = time.time()
-    ref_model = build(root / "ref", case, mode, seed)  # vLLM's own path, eager
-    model = build(root / "switched", case, mode, seed)  # the same weights, switched, compiled
+    ref_model = build(root / "ref", case, mode, seed, tp)  # vLLM's own path, eager
+    model = build(root / "switched", case, mode, seed, tp)  # same weights, switched, compiled
     out["build_s"] = round(time.time() - t0, 1)
     runners = moe_rows.moe_runners(model.config)
     entries = {n: r._forward_entry for n, r in runners.items()}

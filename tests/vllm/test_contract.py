@@ -1,5 +1,5 @@
-"""The contract table (arfuse/vllm/contract.py) against the installed vLLM, and the table against
-arfuse's own code: every `vllm` import and every vLLM op name in arfuse/vllm/*.py and
+"""The contract table (arfuse/vllm/contract/) against the installed vLLM, and the table against
+arfuse's own code: every `vllm` import and every vLLM op name under arfuse/vllm/ and
 arfuse_vllm_pass.py must be an item, so the static check (scripts/vllm_contract.py) checks what
 the code really uses."""
 
@@ -13,7 +13,7 @@ import pytest
 import vllm_harness as H
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCES = sorted((REPO / "arfuse" / "vllm").glob("*.py")) + [REPO / "arfuse_vllm_pass.py"]
+SOURCES = sorted((REPO / "arfuse" / "vllm").rglob("*.py")) + [REPO / "arfuse_vllm_pass.py"]
 
 
 def _items():
@@ -72,7 +72,7 @@ def test_every_vllm_use_is_in_the_table():
         for kind, module, name in uses(path)
         if not covered(contract, kind, module, name)
     ]
-    assert not missing, "not in arfuse/vllm/contract.py ITEMS:\n" + "\n".join(missing)
+    assert not missing, "not in arfuse/vllm/contract ITEMS:\n" + "\n".join(missing)
 
 
 def test_the_grep_sees_the_uses():
@@ -89,7 +89,9 @@ def test_the_grep_sees_the_uses():
 def test_installed_vllm_has_what_the_integration_needs():
     vllm = H.require_vllm()
     contract = _items()
-    results = contract.check_installed()
+    from arfuse.vllm.contract.installed import check_installed
+
+    results = check_installed()
     assert vllm.__version__ in contract.SUPPORTED
     assert contract.summarize(results) == []
     by_key = {r.item.key: r for r in results}
@@ -105,14 +107,16 @@ def test_static_and_installed_checks_agree():
     """The AST check (what scripts/vllm_contract.py runs on wheels) on the installed vLLM's own
     files gives the same verdict as import/inspect, item by item."""
     H.require_vllm()
-    from arfuse.vllm import contract, contract_ast
+    from arfuse.vllm import contract
+    from arfuse.vllm.contract import installed as by_import
+    from arfuse.vllm.contract import source
 
-    root = contract._installed_source_root()
-    index = contract_ast.Index(contract_ast.DirSource(root))
+    root = by_import._installed_source_root()
+    index = source.Index(source.DirSource(root))
     differ = []
     for item in contract.ITEMS:
-        static = contract_ast.check(index, item)
-        installed = contract.check_item(item)
+        static = source.check(index, item)
+        installed = by_import.check_item(item)
         if static.status != installed.status:
             differ.append(f"{item.key}: static {static.status} {static.detail} / installed "
                           f"{installed.status} {installed.detail} ({installed.how})")
@@ -126,17 +130,18 @@ def test_the_check_can_fail(key):
     import dataclasses
 
     from arfuse.vllm import contract
+    from arfuse.vllm.contract.installed import check_item
 
     item = contract.BY_KEY[key]
     if item.kind == "code":
         changed = dataclasses.replace(item, fragments=("no_such_call(",))
     else:
         changed = dataclasses.replace(item, params=("self", "no_such_parameter"))
-    result = contract.check_item(changed)
+    result = check_item(changed)
     assert result.status == "changed"
     # strict items and code fragments fail the check; a plain signature change is reported only
     assert bool(contract.summarize([result])) == (changed.strict or changed.kind == "code")
     gone = dataclasses.replace(item, name=item.name + "_gone" if item.kind != "op"
                                else item.name + "_gone")
-    assert contract.check_item(gone).status == "missing"
-    assert contract.summarize([contract.check_item(gone)])
+    assert check_item(gone).status == "missing"
+    assert contract.summarize([check_item(gone)])

@@ -1,7 +1,7 @@
 """arfuse.vllm.moe_finalize_allreduce_rms_norm with vLLM's RMSNorm / GemmaRMSNorm layers, on the
 CPU with world size 1 (the all-reduce is the identity): against vLLM's own norm layer applied to
-the finalized MoE output, through arfuse's communicator and through the unfused fallback that the
-call takes when no communicator serves it (tensor parallelism 1 in vLLM)."""
+the finalized MoE output, through arfuse's communicator (also the plugin's, of world size 1 at tensor
+parallelism 1) and through the unfused fallback that the call takes when no communicator serves it."""
 
 from __future__ import annotations
 
@@ -124,11 +124,19 @@ def test_forms_of_the_moe_output(env):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
 
 
-def test_tp1_without_communicator_uses_the_fallback(env):
-    """In vLLM with tensor parallelism 1 the plugin has no communicator; the call still works."""
-    from arfuse.vllm.communicators import get_communicator
+def test_tp1_takes_a_world_size_1_communicator(env):
+    """In vLLM with tensor parallelism 1 the plugin's communicator has world size 1 (the local
+    algorithm: no all-reduce); the call through it computes what vLLM's norm layer does."""
+    from arfuse.vllm import communicators
 
-    assert get_communicator(env.config) is None
+    comm = communicators.get_communicator(env.config)
+    assert comm is not None and comm.world_size == 1
+    assert_as_vllms_norm(env)
+
+
+def assert_as_vllms_norm(env):
+    """The call (the plugin's communicator, whatever it is) on a finalized fp32 MoE output
+    computes what vLLM's norm layer does."""
     dtype = torch.float32
     h = env.spec.hidden
     finalized = torch.randn(T, h, dtype=dtype)
@@ -138,6 +146,15 @@ def test_tp1_without_communicator_uses_the_fallback(env):
     want = norm(finalized.clone(), residual.clone())
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_without_communicator_uses_the_fallback(env, monkeypatch):
+    """Where arfuse serves nothing (no communicator for the model), the call still works: the
+    same result unfused (PyTorch finalize, vLLM's all-reduce and norm op)."""
+    from arfuse.vllm import communicators
+
+    monkeypatch.setattr(communicators, "get_communicator", lambda config, create=True: None)
+    assert_as_vllms_norm(env)
 
 
 def test_rejects_what_it_cannot_compute(env):

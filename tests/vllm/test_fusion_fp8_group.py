@@ -205,7 +205,7 @@ def test_codes_and_scales_are_vllms_formula_on_the_float32_norm(root, comms):
     config = setup(root, spec)
     with set_current_vllm_config(config):
         module = init_(OneChain(spec, "fold_col"))
-        fusion = ArfuseAllReduceFusionPass(config, comms(spec))
+        fusion = ArfuseAllReduceFusionPass(config, comms(spec), all_reduce=True)
     if not fusion.fp8_group128:
         pytest.skip("the arfuse library under test has no fp8_group128 kernel for bf16")
     x, r = inputs(spec, 1)

@@ -202,7 +202,7 @@ def test_range_beyond_capacity_left_alone(root, comms):
     config = setup(root, spec, dtype)
     with set_current_vllm_config(config):
         module = init_(OneChain(spec), dtype)
-        fusion = ArfuseAllReduceFusionPass(config, comms(spec, dtype))
+        fusion = ArfuseAllReduceFusionPass(config, comms(spec, dtype), all_reduce=True)
     assert not fusion.is_applicable_for_range(Range(1, MAX_TOKENS + 1))
     g = torch.Generator().manual_seed(3)
     args = [torch.randn(T, spec.hidden, generator=g).to(dtype) for _ in range(2)]
@@ -231,9 +231,18 @@ def test_uuid_covers_the_configuration(root, comms):
     dtype = torch.bfloat16
     config = setup(root, spec, dtype)
     comm = comms(spec, dtype)
-    a = ArfuseAllReduceFusionPass(config, comm)
-    assert a.uuid() == ArfuseAllReduceFusionPass(config, comm).uuid()
-    assert a.uuid() != ArfuseAllReduceFusionPass(config, comm, algorithm="oneshot").uuid()
-    assert a.uuid() != ArfuseAllReduceFusionPass(config, comms(spec, dtype, 32)).uuid()
+    a = ArfuseAllReduceFusionPass(config, comm, all_reduce=True)
+    assert a.uuid() == ArfuseAllReduceFusionPass(config, comm, all_reduce=True).uuid()
+    assert a.uuid() != ArfuseAllReduceFusionPass(config, comms(spec, dtype, 32),
+                                                 all_reduce=True).uuid()
     # Same capacity, another communicator: another handle baked into the graph.
-    assert a.uuid() != ArfuseAllReduceFusionPass(config, comms(spec, dtype)).uuid()
+    assert a.uuid() != ArfuseAllReduceFusionPass(config, comms(spec, dtype),
+                                                 all_reduce=True).uuid()
+    # The graph without vLLM's all-reduce (tensor parallelism 1): other patterns.
+    b = ArfuseAllReduceFusionPass(config, comm, all_reduce=False)
+    assert b.uuid() != a.uuid() and {s.kind for s in b.specs} == \
+        {"rows_scaled_shared", "rows_shared", "rows_scaled", "rows"}
+    # The communicator has world size 1 (the CPU one): no all-reduce algorithm, a one-shot
+    # setting runs the local algorithm ("auto"), as the op would refuse one-shot.
+    one = ArfuseAllReduceFusionPass(config, comm, algorithm="oneshot", all_reduce=True)
+    assert one.algorithm == "auto" and one.uuid() == a.uuid()

@@ -34,11 +34,12 @@ REPO = Path(__file__).resolve().parents[2]
 RSF = {"qwen3-moe": 1.0, "deepseek-v3": 2.5, "mixtral": 1.0, "deepseek-v3-fp8": 2.5}
 
 
-def probe(tmp_path: Path, case: str, mode: str) -> dict:
+def probe(tmp_path: Path, case: str, mode: str, tp: int = 2) -> dict:
     seed = int(os.environ.get("ARFUSE_TEST_SEED") or int.from_bytes(os.urandom(3), "little"))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, str(PROBE), str(tmp_path), case, mode, str(seed)],
+    proc = subprocess.run([sys.executable, str(PROBE), str(tmp_path), case, mode, str(seed),
+                           str(tp)],
                           env=env, capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (
@@ -104,6 +105,43 @@ def test_triton_experts_hand_their_rows_to_arfuse(tmp_path, case):
     # bits), where one bf16 step can move a value to the next FP8 step (2^-3 relative).
     for e in got["errors"]:
         assert e["finite"] and e["within_fp8" if fp8 else "within"] <= 1.0, (seed, e)
+
+
+@pytest.mark.parametrize("case", ["qwen3-moe", "deepseek-v3"])
+def test_tp1_rows_go_to_the_local_kernel(tmp_path, case):
+    """Tensor parallelism 1 (one GPU): vLLM's graph has no all-reduce, its MoE tail is moe_sum +
+    copy (+ scale + shared add) + the next layer's fused_add_rms_norm. Switched and compiled,
+    each MoE tail becomes one arfuse call on the dense rows with no all-reduce around it (auto:
+    the local algorithm of a world-size-1 communicator); the attention outputs' norms stay
+    vLLM's (one kernel already); the result matches vLLM's own path."""
+    got = probe(tmp_path, case, "triton", tp=1)
+    seed = got["seed"]
+    assert got["tp"] == 1
+    assert got["eager_max_abs"] == [0.0] * 2, (seed, got["eager_max_abs"])
+    assert got["layers"] == 2 and len(got["switched"]) == 2 and got["kept"] == {}, got["kept"]
+    assert got["ref_moe_sum_calls"] == 2 * 2 and got["moe_sum_calls"] == 0
+    shared = case == "deepseek-v3"
+    dense = [c for c in got["calls"] if c["dims"] == 3]
+    assert len(dense) == 2 and len(got["calls"]) == 2, got["calls"]
+    for c in dense:
+        assert c["k"] == 2 and c["weights"] == "None" and c["scale"] == RSF[case]
+        assert c["algorithm"] == 0  # auto: local at world size 1
+        src = "arfuse_vllm::moe_forward_shared_rows" if shared else "arfuse_vllm::moe_forward_rows"
+        assert c["source"] == (f"{src}[1]" if shared else src)
+    left = {}
+    for ops in got["before"] + got["after"]:
+        assert ops.get("vllm::all_reduce", 0) == 0, ops  # none at TP = 1, before or after
+    for ops in got["after"]:
+        for k, v in ops.items():
+            left[k] = left.get(k, 0) + v
+    assert left.get("aten::sum", 0) == 0, left
+    # Each attention output's post_attention_layernorm stays vLLM's (Qwen3-MoE: 2 layers;
+    # DeepSeek-V3: 3 layers), and so does the dense MLP's next norm (DeepSeek-V3's first layer);
+    # the MoE outputs' norms (the next layer's input_layernorm, the final norm) are arfuse's.
+    vllms = {"qwen3-moe": 2, "deepseek-v3": 3 + 1}[case]
+    assert left.get("vllm_ir::fused_add_rms_norm", 0) == vllms, left
+    for e in got["errors"]:
+        assert e["finite"] and e["within"] <= 1.0, (seed, e)
 
 
 def test_ineligible_experts_are_left_as_vllm_built_them(tmp_path):

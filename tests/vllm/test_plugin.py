@@ -86,7 +86,7 @@ def test_off_by_default(site, tmp_path):
     assert got["log"] == []
 
 
-def test_enabled_hooks_once_and_stays_out_at_tp1(site, tmp_path):
+def test_enabled_hooks_once_and_fuses_the_rows_at_tp1(site, tmp_path):
     got = probe(site, tmp_path, ARFUSE_VLLM="1")
     assert got["registered"] is True, got["log"]
     assert got["disabled"] is None
@@ -108,13 +108,18 @@ def test_enabled_hooks_once_and_stays_out_at_tp1(site, tmp_path):
         assert after == before
     else:
         assert after != before
-    # Tensor parallelism 1: no pass, no communicator.
-    assert not arfuse_passes(got["tp1_passes"])
-    assert got["tp1_communicator"] is False
+    # Tensor parallelism 1: the pass with the MoE tails on the expert rows alone (vLLM's graph
+    # has no all-reduce there), and a communicator of world size 1 (the local algorithm).
+    assert arfuse_passes(got["tp1_passes"]) == ["GuardedPass"]
+    assert got["tp1_kinds"] == ["rows", "rows_scaled", "rows_scaled_shared", "rows_shared"]
+    assert got["tp1_communicator"] is True and got["tp1_world"] == 1
     # The GPU worker class is importable on this machine too; its load_model is hooked.
     assert got["worker_hooked"] is True, got["worker_hooked"]
     assert any("integration enabled" in line for line in got["log"]), got["log"]
-    assert [line for line in got["log"] if "enabled" not in line] == []
+    # Besides that line, only the TP=1 communicator's creation is logged.
+    others = [line for line in got["log"] if "enabled" not in line]
+    assert len(others) <= 1 and all("Communicator(rank=0, world_size=1" in line
+                                    for line in others), got["log"]
 
 
 def test_missing_hook_target_leaves_vllm_running(site, tmp_path):
@@ -135,7 +140,8 @@ def test_newer_release_checks_the_contract_first(site, tmp_path):
     got = probe(site, tmp_path, "newer", ARFUSE_VLLM="1")
     assert got["registered"] is True
     assert got["hash_hooked"] and got["configure_hooked"]
-    others = [line for line in got["log"] if "enabled" not in line]
+    others = [line for line in got["log"] if "enabled" not in line
+              and "Communicator(rank=0, world_size=1" not in line]  # the probe's TP=1 one
     assert len(others) == 1 and "0.35.0 is not among the releases checked" in others[0]
 
 

@@ -381,7 +381,7 @@ def zoo_module_and_pass(config: Any, spec: ModelSpec, dtype: torch.dtype,
         moe_runner(config, "zoo.shared", spec, dtype, shared=True)
         moe_runner(config, "zoo.routed", spec, dtype, shared=False)
         module = make()
-        fusion = ArfuseAllReduceFusionPass(config, communicator)
+        fusion = ArfuseAllReduceFusionPass(config, communicator, all_reduce=True)
     assert not fusion.disabled, fusion.reason
     return module, fusion
 
@@ -405,7 +405,7 @@ def module_and_pass(config: Any, make: Callable[[], torch.nn.Module], communicat
 
     with set_current_vllm_config(config):
         module = make()
-        fusion = ArfuseAllReduceFusionPass(config, communicator)
+        fusion = ArfuseAllReduceFusionPass(config, communicator, all_reduce=True)
     if not getattr(fusion, kernel[0]):
         pytest.skip(f"the arfuse library under test has no {kernel[1]} kernel")
     return module, fusion
@@ -445,12 +445,12 @@ def passes_without_fp8(config: Any, make: Callable[[], torch.nn.Module], communi
 
     with set_current_vllm_config(config):
         module = make()
-        with_fp8 = ArfuseAllReduceFusionPass(config, communicator)
+        with_fp8 = ArfuseAllReduceFusionPass(config, communicator, all_reduce=True)
         monkeypatch.setattr(communicators, "fp8_supported", fp8_supported)
-        no_kernel = ArfuseAllReduceFusionPass(config, communicator)
+        no_kernel = ArfuseAllReduceFusionPass(config, communicator, all_reduce=True)
         monkeypatch.undo()
         monkeypatch.setenv("ARFUSE_VLLM_FP8", "0")
-        switched_off = ArfuseAllReduceFusionPass(config, communicator)
+        switched_off = ArfuseAllReduceFusionPass(config, communicator, all_reduce=True)
     return module, with_fp8, no_kernel, switched_off
 
 

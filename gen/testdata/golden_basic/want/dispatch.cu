@@ -2,16 +2,17 @@
 // Dispatch data for testdata/golden_basic/matrix.yaml (3 kernel instances) and testdata/golden_basic/tuning.yaml (2 measured thresholds).
 #include "dispatch_table.h"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 10, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 namespace {
 
 // Sorted by name. Fields: name, dtype, hidden, world_size, algo, out, block_threads,
-// tokens_per_block, cluster, max_hidden, launch (hidden 0 / world_size 0: generic).
+// tokens_per_block, cluster, max_hidden, max_tokens, launch (hidden 0 / world_size 0: generic;
+// max_tokens 0: every token count, else a token split's twin, served for T <= max_tokens).
 const arfuse::Instance kInstances[] = {
-    arfuse::Instance{"arfuse_bf16_generic_oneshot_norm", arfuse::DType::kBF16, 0, 0, arfuse::Algo::kOneShot, arfuse::OutKind::kNorm, 0, 1, 1, 32768, &arfuse::gen::arfuse_bf16_generic_oneshot_norm},
-    arfuse::Instance{"arfuse_bf16_h7168_w8_oneshot_norm", arfuse::DType::kBF16, 7168, 8, arfuse::Algo::kOneShot, arfuse::OutKind::kNorm, 224, 1, 4, 7168, &arfuse::gen::arfuse_bf16_h7168_w8_oneshot_norm},
-    arfuse::Instance{"arfuse_bf16_h7168_w8_twoshot_norm", arfuse::DType::kBF16, 7168, 8, arfuse::Algo::kTwoShot, arfuse::OutKind::kNorm, 448, 1, 1, 7168, &arfuse::gen::arfuse_bf16_h7168_w8_twoshot_norm},
+    arfuse::Instance{"arfuse_bf16_generic_oneshot_norm", arfuse::DType::kBF16, 0, 0, arfuse::Algo::kOneShot, arfuse::OutKind::kNorm, 0, 1, 1, 32768, 0, &arfuse::gen::arfuse_bf16_generic_oneshot_norm},
+    arfuse::Instance{"arfuse_bf16_h7168_w8_oneshot_norm", arfuse::DType::kBF16, 7168, 8, arfuse::Algo::kOneShot, arfuse::OutKind::kNorm, 224, 1, 4, 7168, 0, &arfuse::gen::arfuse_bf16_h7168_w8_oneshot_norm},
+    arfuse::Instance{"arfuse_bf16_h7168_w8_twoshot_norm", arfuse::DType::kBF16, 7168, 8, arfuse::Algo::kTwoShot, arfuse::OutKind::kNorm, 448, 1, 1, 7168, 0, &arfuse::gen::arfuse_bf16_h7168_w8_twoshot_norm},
 };
 
 // Measured on test card, 2025-01-31, commit 0000000: python -m arfuse.bench --test-data

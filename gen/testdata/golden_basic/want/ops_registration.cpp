@@ -4,7 +4,7 @@
 #include "arfuse/ops.h"
 #include "arfuse/params.h"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 10, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 STABLE_TORCH_LIBRARY(arfuse, m) {
   m.def("comm_create(int rank, int world_size, int hidden, ScalarType dtype, int max_tokens, int oneshot_max_tokens, int ranks_per_device, Device device, float timeout_s) -> int");
@@ -25,7 +25,7 @@ STABLE_TORCH_LIBRARY(arfuse, m) {
   m.def("defer_launches(bool enable) -> ()");
   m.def("flush_launches(bool launch) -> int");
   m.def("supported_variants() -> str[]");
-  m.def("instance_for(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind) -> str");
+  m.def("instance_for(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind, int num_tokens=-1) -> str");
   m.def("oneshot_threshold(ScalarType dtype, int hidden, int world_size) -> int");
 }
 

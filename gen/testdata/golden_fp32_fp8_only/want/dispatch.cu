@@ -2,16 +2,17 @@
 // Dispatch data for testdata/golden_fp32_fp8_only/matrix.yaml (3 kernel instances) and testdata/tuning.yaml (0 measured thresholds).
 #include "dispatch_table.h"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 10, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 namespace {
 
 // Sorted by name. Fields: name, dtype, hidden, world_size, algo, out, block_threads,
-// tokens_per_block, cluster, max_hidden, launch (hidden 0 / world_size 0: generic).
+// tokens_per_block, cluster, max_hidden, max_tokens, launch (hidden 0 / world_size 0: generic;
+// max_tokens 0: every token count, else a token split's twin, served for T <= max_tokens).
 const arfuse::Instance kInstances[] = {
-    arfuse::Instance{"arfuse_fp32_generic_twoshot_fp8_static", arfuse::DType::kFP32, 0, 0, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 0, 1, 1, 16384, &arfuse::gen::arfuse_fp32_generic_twoshot_fp8_static},
-    arfuse::Instance{"arfuse_fp32_h7168_w16_twoshot_fp8_static", arfuse::DType::kFP32, 7168, 16, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 448, 1, 1, 7168, &arfuse::gen::arfuse_fp32_h7168_w16_twoshot_fp8_static},
-    arfuse::Instance{"arfuse_fp32_h7168_w2_twoshot_fp8_static", arfuse::DType::kFP32, 7168, 2, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 448, 1, 1, 7168, &arfuse::gen::arfuse_fp32_h7168_w2_twoshot_fp8_static},
+    arfuse::Instance{"arfuse_fp32_generic_twoshot_fp8_static", arfuse::DType::kFP32, 0, 0, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 0, 1, 1, 16384, 0, &arfuse::gen::arfuse_fp32_generic_twoshot_fp8_static},
+    arfuse::Instance{"arfuse_fp32_h7168_w16_twoshot_fp8_static", arfuse::DType::kFP32, 7168, 16, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 448, 1, 1, 7168, 0, &arfuse::gen::arfuse_fp32_h7168_w16_twoshot_fp8_static},
+    arfuse::Instance{"arfuse_fp32_h7168_w2_twoshot_fp8_static", arfuse::DType::kFP32, 7168, 2, arfuse::Algo::kTwoShot, arfuse::OutKind::kFP8Static, 448, 1, 1, 7168, 0, &arfuse::gen::arfuse_fp32_h7168_w2_twoshot_fp8_static},
 };
 
 }  // namespace

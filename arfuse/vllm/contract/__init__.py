@@ -1,16 +1,19 @@
-"""What arfuse's vLLM integration uses of vLLM: the one table.
+"""The contract: what arfuse's vLLM integration uses of vLLM, one Item each, and what a check of one
+found (Result, summarize). Data only.
 
 Every name the plugin, the fusion pass, the eager call and the post_grad_custom_post_pass object
 import from vLLM or hook in it is an Item here (tests/vllm/test_contract.py fails when a `vllm.`
-import or a vLLM op name in arfuse/vllm/*.py is not), and the same table is checked
+import or a vLLM op name under arfuse/vllm/ is not), and the same table is checked
 
+* at run time against the installed vLLM (``installed.check_installed``): by the plugin at
+  start-up (the hook targets of a release not among SUPPORTED, the rows switch's items) and by
+  tests/vllm/test_contract.py (everything); items it cannot import it reads from the installed
+  sources (``source``, an AST index), and
 * statically, release by release, from the released wheels' sources (scripts/vllm_contract.py,
-  through arfuse.vllm.contract_ast; no torch, no install), and
-* at run time against the installed vLLM (check_installed below): by the plugin at start-up (the
-  hook targets) and by tests/vllm/test_contract.py (everything).
+  the tooling: it downloads each wheel and runs ``source`` over it; no torch, no install).
 
-This module imports nothing but the standard library at module level, so that the static checker
-can load it by path without torch.
+This package imports nothing but the standard library, so that the static checker can load it by
+path without torch or vLLM.
 
 Needs (what a missing item costs):
   hook  a plugin hook target: that hook is skipped with one log line. "one_of" groups are met when
@@ -26,10 +29,6 @@ Needs (what a missing item costs):
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
-import inspect
-from typing import Any
 
 # The releases the integration claims to support (all of 0.26.0 ... 0.34.0 on PyPI).
 SUPPORTED = (
@@ -282,7 +281,7 @@ ITEMS: tuple[Item, ...] = (
       for f in ("experts_per_token", "hidden_dim", "hidden_dim_unpadded", "moe_parallel_config",
                 "is_lora_enabled", "skip_final_all_reduce")),
     *(Item(f"rows.moe_config.{f}", "rows", "attr", _FM + ".config", f"FusedMoEConfig.{f}")
-      for f in ("tp_size", "dp_size", "pcp_size", "ep_size", "is_sequence_parallel")),
+      for f in ("dp_size", "pcp_size", "ep_size", "is_sequence_parallel")),
     *(Item(f"rows.runner.{a}", "rows", "attr", _MOE, f"MoERunner.{a}")
       for a in ("routed_experts", "moe_config", "router", "routed_input_transform",
                 "routed_output_transform", "enable_dbo", "shared_experts")),
@@ -387,111 +386,3 @@ def summarize(results: list[Result]) -> list[str]:
         if all(m.status == "missing" for m in members):
             problems.append(f"{name}: none of {', '.join(m.item.key for m in members)}")
     return problems
-
-
-# ---- the installed vLLM (import / inspect) -------------------------------------------------------
-
-
-def _param_names(fn: Any) -> tuple[str, ...]:
-    sig = inspect.signature(fn)
-    out = []
-    for p in sig.parameters.values():
-        if p.kind is p.VAR_POSITIONAL:
-            out.append("*" + p.name)
-        elif p.kind is p.VAR_KEYWORD:
-            out.append("**" + p.name)
-        else:
-            out.append(p.name)
-    return tuple(out)
-
-
-def _compare(item: Item, got: tuple[str, ...] | None, how: str) -> Result:
-    if item.params is None or got is None:
-        return Result(item, "ok", "", how)
-    if tuple(got) == item.params:
-        return Result(item, "ok", f"({', '.join(got)})", how)
-    return Result(item, "changed", f"({', '.join(got)}), expected ({', '.join(item.params)})", how)
-
-
-def _lookup(obj: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        obj = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
-    return obj
-
-
-def _installed_source_root() -> str | None:
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    import os
-
-    return os.path.dirname(list(spec.submodule_search_locations)[0])
-
-
-def _check_imported(item: Item) -> Result:
-    module = importlib.import_module(item.module)
-    if item.kind == "module":
-        return Result(item, "ok", "", "import")
-    if item.kind == "op":
-        import torch
-
-        ns, op = item.name.split("::")
-        packet = getattr(getattr(torch.ops, ns), op, None)
-        if packet is None or not hasattr(packet, "default"):
-            return Result(item, "missing", f"torch.ops.{ns}.{op} not registered", "import")
-        names = tuple(a.name for a in packet.default._schema.arguments)
-        return _compare(item, names, "import")
-    if item.kind == "field":
-        cls_name, field = item.name.rsplit(".", 1)
-        cls = _lookup(module, cls_name)
-        names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-        names |= set(getattr(cls, "model_fields", {}) or {})
-        return Result(item, "ok" if field in names else "missing", "", "import")
-    obj = _lookup(module, item.name)
-    if isinstance(obj, (staticmethod, classmethod)):
-        obj = obj.__func__
-    if item.kind in ("class",) and not inspect.isclass(obj):
-        return Result(item, "changed", f"{type(obj).__name__}, not a class", "import")
-    if item.kind in ("function", "method") and not callable(obj):
-        return Result(item, "changed", f"{type(obj).__name__}, not callable", "import")
-    if item.kind in ("function", "method") and item.params is not None:
-        try:
-            names = _param_names(inspect.unwrap(obj))
-        except (TypeError, ValueError):
-            names = None
-        return _compare(item, names, "import")
-    return Result(item, "ok", "", "import")
-
-
-def check_item(item: Item) -> Result:
-    """One item against the installed vLLM: by import and inspect where that works without a GPU,
-    else (cuda modules, `self.X` attributes, code fragments, op_ref) from the installed sources."""
-    from . import contract_ast
-
-    by_source = item.cuda or item.kind in ("code", "op_ref", "op_schema")
-    if not by_source:
-        try:
-            result = _check_imported(item)
-        except (ImportError, AttributeError) as e:
-            if item.kind == "attr":  # maybe `self.X = ...`, only visible in the source
-                by_source = True
-            else:
-                return Result(item, "missing", f"{type(e).__name__}: {e}", "import")
-        else:
-            return result
-    root = _installed_source_root()
-    if root is None:
-        return Result(item, "missing", "vllm is not installed", "source")
-    res = contract_ast.check(contract_ast.DirSource(root), item)
-    res.how = "source"
-    return res
-
-
-def check_installed(needs: tuple[str, ...] | None = None, keys: tuple[str, ...] | None = None
-                    ) -> list[Result]:
-    """The table (or the items of `needs` / `keys`) against the installed vLLM."""
-    return [
-        check_item(i)
-        for i in ITEMS
-        if (needs is None or i.need in needs) and (keys is None or i.key in keys)
-    ]

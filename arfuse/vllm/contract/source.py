@@ -1,7 +1,8 @@
-"""Checks arfuse.vllm.contract's items against vLLM's Python sources without importing them (AST).
+"""The contract against vLLM's Python sources, read without importing them (AST): the check of one item
+over a Source (a folder holding the `vllm` package: an installed vLLM; scripts/vllm_contract.py
+adds a wheel's zip).
 
-A Source reads `vllm/...` files from a wheel (zip) or a directory (an installed vLLM). Names are
-resolved the way Python would find them: a module's own definitions, then `from X import Y`
+Names are resolved the way Python would find them: a module's own definitions, then `from X import Y`
 re-exports (relative or absolute, followed through vLLM's packages), then for classes the class
 body, `self.X = ...` in its methods and its bases. Standard library only.
 """
@@ -10,14 +11,10 @@ from __future__ import annotations
 
 import ast
 import os
-import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-try:  # as part of the package
-    from .contract import Item, Result
-except ImportError:  # loaded by path (scripts/vllm_contract.py): the caller sets these
-    Item = Result = None  # type: ignore[assignment,misc]
+from . import Result
 
 
 class Source:
@@ -30,23 +27,6 @@ class Source:
 
     def read_bytes(self, path: str) -> bytes:
         raise NotImplementedError
-
-
-class ZipSource(Source):
-    def __init__(self, wheel: str) -> None:
-        self.zip = zipfile.ZipFile(wheel)
-        self.names = set(self.zip.namelist())
-
-    def read(self, path: str) -> str | None:
-        if path not in self.names:
-            return None
-        return self.zip.read(path).decode("utf-8", errors="replace")
-
-    def binaries(self) -> list[str]:
-        return sorted(n for n in self.names if n.startswith("vllm/_C") and n.endswith(".so"))
-
-    def read_bytes(self, path: str) -> bytes:
-        return self.zip.read(path)
 
 
 class DirSource(Source):
@@ -321,9 +301,9 @@ def _ir_op(mod: Module, op: str) -> ast.FunctionDef | None:
     return None
 
 
-def check(source: Source | Index, item: Any, result_cls: Any = None) -> Any:
+def check(source: Source | Index, item: Any) -> Result:
     """The Result for one contract item against a source tree."""
-    R = result_cls or Result
+    R = Result
     index = source if isinstance(source, Index) else Index(source)
     mod = index.module(item.module)
     if mod is None:
