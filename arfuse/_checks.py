@@ -17,7 +17,9 @@ bitwise identical.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 
 import torch
 
@@ -162,6 +164,22 @@ def _plant_specials(case: Case, ranks, residual):
     if "shared_out" in ranks[0]:
         ranks[0]["shared_out"][0] = -0.0
         ranks[0]["shared_out"][1, 9 % H] = tiny
+
+
+@contextlib.contextmanager
+def gc_held():
+    """Python's cyclic garbage collector held off between poisoning the blocks an op is about to
+    allocate and the op's allocations. A collection in between (the op's Python wrapper makes
+    objects, which can trigger one) may free a CUDA tensor of an earlier cycle beside the freed
+    poison blocks; the caching allocator merges them and hands the op other blocks ("poisoning
+    missed the outputs", seen once in 621 GPU tests). Garbage is only deferred, not kept."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def poison_like(shape, dtype, device):

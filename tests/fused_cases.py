@@ -95,7 +95,8 @@ def run_case(group, case: Case, seed: int, fp8_scale=None):
             assert sorted(o.data_ptr() for o in out) == sorted(ptrs), "poisoning missed the outputs"
         return out
 
-    outs = group.run(fn)
+    with _checks.gc_held():  # no collection between a rank's poisoning and its op (gc_held)
+        outs = group.run(fn)
     torch.cuda.synchronize(device)
     return outs, (ranks, residual, gamma)
 

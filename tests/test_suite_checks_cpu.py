@@ -105,3 +105,24 @@ def test_suite_check_accepts_the_right_outputs_and_rejects_spoilt_ones(case):
             q[t, h] = (code & 0x80) | ((code & 0x7F) - 2 if (code & 0x7F) >= 2 else (code & 0x7F) + 2)
         with pytest.raises(AssertionError, match="ulp"):
             check_case(case, spoilt, inputs, scale)
+
+
+def test_gc_is_held_between_poisoning_and_the_op_and_given_back():
+    import gc
+
+    from arfuse._checks import gc_held
+
+    assert gc.isenabled()
+    with gc_held():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_held():
+        raise RuntimeError("the op failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_held():
+            pass
+        assert not gc.isenabled(), "a collector the caller had disabled was switched on"
+    finally:
+        gc.enable()

@@ -72,7 +72,7 @@ def call_op(runner, dc, comm, inputs, algorithm):
     import torch
 
     import arfuse
-    from .._checks import poison_like
+    from .._checks import gc_held
 
     if runner.fake:
         return _fake_call(runner, dc, inputs, algorithm, runner.rank)
@@ -87,6 +87,17 @@ def call_op(runner, dc, comm, inputs, algorithm):
             algorithm=algorithm)
     scale = (torch.tensor([dc.fp8_scale], dtype=torch.float32, device=runner.device)
              if case.fp8 else None)
+    with gc_held():  # no collection between the poisoning and the op's allocations
+        return _poisoned_call(runner, dc, comm, inp, residual, gamma, scale, algorithm)
+
+
+def _poisoned_call(runner, dc, comm, inp, residual, gamma, scale, algorithm):
+    import torch
+
+    import arfuse
+    from .._checks import poison_like
+
+    case = dc.case
     T, H = case.tokens, case.hidden
     ptrs = None
     if runner.is_cuda:
