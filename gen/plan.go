@@ -168,7 +168,7 @@ func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 // N = 8 T = 16-64) (kernel_ab on the H200 at 187a843, docs/performance.md). Other sizes are not
 // in the table until measured (192 threads: 5 blocks would cap at 68 registers; 128: 8 at 64,
 // where the 2048 instance already spills at 72).
-var twoShotMinBlocks = map[int]int{256: 4}
+var twoShotMinBlocks = map[int]int{256: 4, 192: 5}
 
 // minBlocksAbove: blocks of more threads than this are compiled for two blocks per SM
 // (__launch_bounds__(threads, 2): at most 65536 / (2 * threads) registers, 72 at 448 threads).

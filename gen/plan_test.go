@@ -53,7 +53,7 @@ func TestPlanTwoShot(t *testing.T) {
 		// At least 2 vectors per thread: 512 vectors on 256 threads, not 512 threads of 1; four
 		// blocks per SM asked (twoShotMinBlocks, measured).
 		{"bf16", 4096, Plan{Vec: 8, Nvec: 512, Cluster: 1, Slice: 512, ThreadsPerToken: 256, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 256, MaxHidden: 4096, RowInRegisters: true, MinBlocksPerSM: 4}},
-		{"bf16", 2880, Plan{Vec: 8, Nvec: 360, Cluster: 1, Slice: 360, ThreadsPerToken: 192, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 192, MaxHidden: 2880, RowInRegisters: true}},
+		{"bf16", 2880, Plan{Vec: 8, Nvec: 360, Cluster: 1, Slice: 360, ThreadsPerToken: 192, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 192, MaxHidden: 2880, RowInRegisters: true, MinBlocksPerSM: 5}},
 		{"bf16", 2048, Plan{Vec: 8, Nvec: 256, Cluster: 1, Slice: 256, ThreadsPerToken: 128, VecsPerThread: 2, TokensPerBlock: 1, BlockThreads: 128, MaxHidden: 2048, RowInRegisters: true}},
 		{"fp32", 7168, Plan{Vec: 4, Nvec: 1792, Cluster: 1, Slice: 1792, ThreadsPerToken: 448, VecsPerThread: 4, TokensPerBlock: 1, BlockThreads: 448, MaxHidden: 7168, RowInRegisters: true, MinBlocksPerSM: 2}},
 		{"bf16", 512, Plan{Vec: 8, Nvec: 64, Cluster: 1, Slice: 64, ThreadsPerToken: 32, VecsPerThread: 2, TokensPerBlock: 4, BlockThreads: 128, MaxHidden: 512, RowInRegisters: true}},

@@ -49,7 +49,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         --dtype bf16 --layout permuted --replays 50 --no-plot --impls arfuse \
         --tokens "${AB_TOKENS:-1,2,4,8,16,64,1024,8192}" --out "$ab/$who" --name "$1-w$2-r$round" \
         >"$ab/$who-$1-w$2-r$round.log" 2>&1
-      echo "$who $1 w$2 r$round: rc=$? $(grep -E '^\| 1 \|' "$ab/$who/$1-w$2-r$round.md" 2>/dev/null | cut -c1-60)"
+      echo "$who $1 w$2 r$round: rc=$? at $(( $(date +%s) - start )) s $(grep -E '^\| 1 \|' "$ab/$who/$1-w$2-r$round.md" 2>/dev/null | cut -c1-60)"
     done
   done
   tar czf "$out/ab.tgz" -C "$new/build" kab
