@@ -21,7 +21,7 @@ import threading
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 # The device API version (ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h) this Python code
 # speaks; a library whose manifest says otherwise is stale (rebuild with make).
-API_VERSION = 12
+API_VERSION = 13
 _lock = threading.Lock()
 _loaded: str | None = None
 _error: str | None = None

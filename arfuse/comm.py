@@ -94,10 +94,12 @@ class Communicator:
         device: this rank's GPU (default: the current CUDA device).
         timeout_s: a wait for a peer longer than this gives up (outputs NaN, the communicator
             reports itself broken) instead of hanging.
+        pdl: launch the fused kernels as programmatic dependents (see the ``pdl`` property).
     """
 
     def __init__(self, group=None, *, max_tokens: int, hidden: int, dtype: torch.dtype,
-                 oneshot_max_tokens: int | None = None, device=None, timeout_s: float = 10.0):
+                 oneshot_max_tokens: int | None = None, device=None, timeout_s: float = 10.0,
+                 pdl: bool = False):
         import torch.distributed as dist
 
         _lib.require()
@@ -146,6 +148,8 @@ class Communicator:
             raise
         self._init(handle)
         self._has_peers, self._peer_group = self._peers(group, world)
+        if pdl:
+            self.pdl = pdl
 
     @staticmethod
     def _peers(group, world: int) -> tuple[bool, object]:
@@ -185,6 +189,23 @@ class Communicator:
         """0 when healthy; 1 + r after a call gave up waiting for rank r."""
         return _op("comm_status", self.handle)
 
+    @property
+    def pdl(self) -> bool:
+        """Programmatic dependent launch (off at creation). When on, the fused kernels launch with
+        CUDA's programmatic stream serialization: the grid may start while the kernel before it on
+        the stream (the experts' GEMM, say) is still finishing, and every block waits for that
+        kernel's completion before its first global memory access, so the results are those of
+        plain stream order; what it saves is the launch gap between the two kernels (CUDA graphs
+        keep it as a programmatic edge). CUDA communicators only: setting it on a CPU one raises
+        ValueError."""
+        return bool(torch.ops.arfuse.comm_info(self.handle)[10])
+
+    @pdl.setter
+    def pdl(self, enable: bool) -> None:
+        if not isinstance(enable, bool):
+            raise TypeError(f"arfuse: pdl: want a bool, got {type(enable).__name__}")
+        _op("comm_set_pdl", self.handle, enable)
+
     def close(self, *, wait_for_peers: bool = True) -> None:
         """Frees the buffers. Closing twice is harmless.
 
@@ -220,18 +241,26 @@ class Communicator:
 
 
 def local_communicator(*, max_tokens: int, hidden: int, dtype: torch.dtype,
-                       device=None) -> Communicator:
+                       device=None, pdl: bool = False) -> Communicator:
     """A communicator of world size 1, needing no process group: single-GPU serving. There is no
     all-reduce, so the op runs the local algorithm (one kernel: finalize + shared add + residual
     + RMSNorm, or an FP8 output) and the communicator allocates nothing (no peers, no buffer).
     device: a CUDA device (default: the current one), or "cpu" for the PyTorch implementation in
-    arfuse._cpu (the same definition, for graph rewrites and tests without a GPU)."""
+    arfuse._cpu (the same definition, for graph rewrites and tests without a GPU). pdl: see
+    Communicator.pdl (CUDA only)."""
     _lib.require()
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     handle = _op("comm_create", 0, 1, hidden, dtype, max_tokens, -1, 1, torch.device(device),
                  10.0)
-    return Communicator._from_handle(handle)
+    comm = Communicator._from_handle(handle)
+    if pdl:
+        try:
+            comm.pdl = pdl
+        except BaseException:
+            comm.close()
+            raise
+    return comm
 
 
 def cpu_communicator(*, max_tokens: int, hidden: int, dtype: torch.dtype) -> Communicator:

@@ -36,7 +36,8 @@ def _hardware_queues() -> int:
 
 class LocalGroup:
     def __init__(self, world_size: int, *, max_tokens: int, hidden: int, dtype: torch.dtype,
-                 device=None, oneshot_max_tokens: int | None = None, timeout_s: float = 10.0):
+                 device=None, oneshot_max_tokens: int | None = None, timeout_s: float = 10.0,
+                 pdl: bool = False):
         _lib.require()
         if world_size * 2 > _hardware_queues():
             raise RuntimeError(
@@ -62,6 +63,8 @@ class LocalGroup:
                 torch.ops.arfuse.comm_destroy(h)
             raise
         self.comms = [Communicator._from_handle(h) for h in handles]
+        for c in self.comms if pdl else ():  # programmatic dependent launch (Communicator.pdl)
+            c.pdl = True
         self.streams = [torch.cuda.Stream(self.device) for _ in range(world_size)]
 
     def run(self, fn):

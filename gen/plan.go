@@ -120,6 +120,9 @@ func allReduceAlgoNames() string {
 // to give every thread of a warp that many.
 const twoShotMinVecs = 2
 
+// clusterMinSlice: the fewest vectors of a row each CTA of a one-shot (and local) cluster takes.
+const clusterMinSlice = 128
+
 func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 	if rule := hiddenRule(dt, hidden); rule != "" {
 		return Plan{}, fmt.Errorf("%s", rule)
@@ -133,7 +136,7 @@ func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 		p.ThreadsPerToken = roundUp(ceilDiv(p.Nvec, p.VecsPerThread), 32)
 	} else { // one-shot, and two-shot rows too long for one CTA's registers
 		for _, c := range clusterSizes {
-			if p.Nvec%c == 0 && p.Nvec/c >= 128 {
+			if p.Nvec%c == 0 && p.Nvec/c >= clusterMinSlice {
 				p.Cluster = c
 				break
 			}

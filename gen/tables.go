@@ -14,7 +14,7 @@ import "slices"
 
 // apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
 // Every generated C++ file static_asserts on it so that stale output stops compiling.
-const apiVersion = 12
+const apiVersion = 13
 
 // ---- kernel limits ----------------------------------------------------------------------------
 
@@ -204,6 +204,7 @@ var ops = []Op{
 	{Name: "comm_set_local_peers", Signature: "(int comm, int[] comms) -> ()", Kernels: anywhere("comm_set_local_peers")},
 	{Name: "comm_destroy", Signature: "(int comm) -> ()", Kernels: anywhere("comm_destroy")},
 	{Name: "comm_status", Signature: "(int comm) -> int", Kernels: anywhere("comm_status")},
+	{Name: "comm_set_pdl", Signature: "(int comm, bool enable) -> ()", Kernels: anywhere("comm_set_pdl")},
 	{Name: "comm_info", Signature: "(int comm) -> int[]", Kernels: anywhere("comm_info")},
 	{Name: "fused", Signature: "(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, Tensor? fp8_scale, int comm, int algorithm) -> (Tensor, Tensor)",
 		Kernels: cuda("fused")},

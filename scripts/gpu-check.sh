@@ -10,8 +10,15 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)' | tee -a "$out/gpu.txt"
 echo "commit ${ARFUSE_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}" | tee -a "$out/gpu.txt"  # ARFUSE_COMMIT: a copied tree without .git
-make lib MATRIX=ci GENDIR=build/ci/out BUILD=build/ci/obj LIBDIR=build/ci/lib PYTHON=python3 NVCC=${NVCC:-nvcc} SKIP_GEN=1 JOBS=$(nproc) >"$out/build.log" 2>&1
-rc=$?; tail -n 3 "$out/build.log"
+# PREBUILT=1: build/ci/lib was built elsewhere (here: make lib MATRIX=ci ... on the CPU machine,
+# carried) and is used as it is.
+if [ -n "${PREBUILT:-}" ] && [ -f build/ci/lib/libarfuse_ops.so ]; then
+  echo "PREBUILT: build/ci/lib/libarfuse_ops.so as carried" | tee "$out/build.log"; rc=0
+else
+  make lib MATRIX=ci GENDIR=build/ci/out BUILD=build/ci/obj LIBDIR=build/ci/lib PYTHON=python3 NVCC=${NVCC:-nvcc} SKIP_GEN=1 JOBS=$(nproc) >"$out/build.log" 2>&1
+  rc=$?
+fi
+tail -n 3 "$out/build.log"
 [ $rc -eq 0 ] || { echo "build failed"; tail -n 60 "$out/build.log"; exit $rc; }
 ARFUSE_LIBRARY=$PWD/build/ci/lib/libarfuse_ops.so ARFUSE_MANIFEST=$PWD/build/ci/out/manifest.json \
 ARFUSE_VALIDATION_REPORT=$out/validation.json \

@@ -26,6 +26,7 @@
 #                     rows (arfuse vs arfuse's separate kernels vs "vLLM today" vs vLLM's own
 #                     kernels where vLLM is importable: PYTHONPATH), and one permuted run
 #   BENCH_ARGS        more arguments for every python -m arfuse.bench
+#   PREBUILT=1        use the carried arfuse/_lib and build/ci/lib instead of building them here
 #   DEADLINE_S        seconds from the start after which no run starts and a running one is cut
 #                     (default 540)
 set -uo pipefail
@@ -38,7 +39,12 @@ left() { echo $(( deadline - ($(date +%s) - start) )); }
 
 bench=build/bench; rm -rf "$bench"; mkdir -p "$bench"
 # The default build beside the CI build and the suite: the nvcc work of both overlaps.
-make lib GENDIR=out SKIP_GEN=1 PYTHON=python3 NVCC=${NVCC:-nvcc} JOBS=$(nproc) >"$bench/build-default.log" 2>&1 &
+# PREBUILT=1: the libraries (arfuse/_lib, build/ci/lib) were built elsewhere and carried.
+if [ -n "${PREBUILT:-}" ] && [ -f arfuse/_lib/libarfuse_ops.so ]; then
+  echo "PREBUILT: arfuse/_lib/libarfuse_ops.so as carried" >"$bench/build-default.log"; true &
+else
+  make lib GENDIR=out SKIP_GEN=1 PYTHON=python3 NVCC=${NVCC:-nvcc} JOBS=$(nproc) >"$bench/build-default.log" 2>&1 &
+fi
 default_build=$!
 
 if [ -z "${SKIP_CHECK:-}" ]; then

@@ -9,7 +9,10 @@
 #   scripts/kernel_ab.sh $OUT .snap/base [.snap/s1 ...]   carry [".snap", "build/ab/out"]
 # Knobs: AB_TOKENS (default 1,2,4,8,16,64,1024,8192), AB_CONFIGS ("model N;model N;...", default
 # the four above), ROUNDS, LADDER=1, LADDER_TOKENS,
-# DEADLINE_S (default 560). Results: OUT/ab.tgz (CSVs, markdown, logs of both trees), gpu.txt.
+# DEADLINE_S (default 560), AB_PREBUILT=1 (every tree's build/ab/lib was built before, here or
+# on this machine: no build), AB_NAME (default ab: OUT/AB_NAME.tgz, OUT/AB_NAME-summary.txt, so
+# that one call can run several A/Bs). Results: OUT/ab.tgz (CSVs, markdown, logs of both trees),
+# gpu.txt, OUT/ab-summary.txt.
 set -uo pipefail
 out=${1:?usage: scripts/kernel_ab.sh OUTDIR OLDTREE...}
 shift
@@ -28,16 +31,23 @@ echo "new ${ARFUSE_COMMIT:-?}; trees ${labels[*]}" | tee -a "$out/gpu.txt"
 jobs=$(( $(nproc) / ${#trees[@]} )); [ $jobs -ge 1 ] || jobs=1
 build() { (cd "$1" && make lib GENDIR=build/ab/out BUILD=build/ab/obj LIBDIR=build/ab/lib \
              PYTHON=python3 NVCC=${NVCC:-nvcc} SKIP_GEN=1 JOBS=$jobs) >"$out/build-$2.log" 2>&1; }
-pids=()
-for i in "${!trees[@]}"; do build "${trees[$i]}" "${labels[$i]}" & pids+=($!); done
-for i in "${!trees[@]}"; do
-  wait "${pids[$i]}" || { echo "${labels[$i]} build failed"; tail -n 30 "$out/build-${labels[$i]}.log"; exit 1; }
-done
-echo "built at $(( $(date +%s) - start )) s"
+name=${AB_NAME:-ab}
+if [ -z "${AB_PREBUILT:-}" ]; then
+  pids=()
+  for i in "${!trees[@]}"; do build "${trees[$i]}" "${labels[$i]}" & pids+=($!); done
+  for i in "${!trees[@]}"; do
+    wait "${pids[$i]}" || { echo "${labels[$i]} build failed"; tail -n 30 "$out/build-${labels[$i]}.log"; exit 1; }
+  done
+  echo "built at $(( $(date +%s) - start )) s"
+else
+  for i in "${!trees[@]}"; do
+    [ -f "${trees[$i]}/build/ab/lib/libarfuse_ops.so" ] || { echo "AB_PREBUILT: ${labels[$i]} has no build/ab/lib/libarfuse_ops.so"; exit 1; }
+  done
+fi
 as() { local tree=$1; shift
        (cd "$tree" && ARFUSE_LIBRARY=$tree/build/ab/lib/libarfuse_ops.so \
           ARFUSE_MANIFEST=$tree/build/ab/out/manifest.json PYTHONPATH=$tree "$@"); }
-ab=$new/build/kab; rm -rf "$ab"; mkdir -p "$ab"
+ab=$new/build/k$name; rm -rf "$ab"; mkdir -p "$ab"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   IFS=';' read -r -a specs <<< "${AB_CONFIGS:-deepseek-v3 8;qwen3-235b-a22b 4;qwen3-30b-a3b 2;gpt-oss-120b 4}"
   for spec in "${specs[@]}"; do
@@ -52,7 +62,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       echo "$who $1 w$2 r$round: rc=$? at $(( $(date +%s) - start )) s $(grep -E '^\| 1 \|' "$ab/$who/$1-w$2-r$round.md" 2>/dev/null | cut -c1-60)"
     done
   done
-  tar czf "$out/ab.tgz" -C "$new/build" kab
+  tar czf "$out/$name.tgz" -C "$new/build" "k$name"
 done
 if [ -n "${LADDER:-}" ]; then
   for spec in "deepseek-v3 8" "qwen3-235b-a22b 4" "qwen3-30b-a3b 2" "gpt-oss-120b 4"; do
@@ -61,10 +71,10 @@ if [ -n "${LADDER:-}" ]; then
     as "$new" timeout "$t" python3 -m arfuse.bench.ladder --model "$1" --world-size "$2" \
       --tokens "${LADDER_TOKENS:-1,2,4,8,16}" --replays 50 --out "$ab/ladder" >"$ab/ladder-$1-w$2.log" 2>&1
     echo "ladder $1 w$2: rc=$? at $(( $(date +%s) - start )) s"
-    tar czf "$out/ab.tgz" -C "$new/build" kab
+    tar czf "$out/$name.tgz" -C "$new/build" "k$name"
   done
 fi
-python3 - "$ab" "${labels[@]}" <<'PY' | tee "$out/summary.txt"
+python3 - "$ab" "${labels[@]}" <<'PY' | tee "$out/$name-summary.txt"
 import csv, glob, os, statistics, sys
 ab, labels = sys.argv[1], sys.argv[2:]
 med = {}

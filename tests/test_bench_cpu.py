@@ -149,6 +149,14 @@ def test_impls_tune_and_plain():
     assert ns.absent_frac == 0.1 and ns.plot and ns.shared
 
 
+def test_pdl_impl_is_asked_for_by_name():
+    ns = parse(["--emulate", "--hidden", "4096", "--topk", "8"])
+    assert "arfuse_pdl" not in ns.impls and not ns.producer  # not in the default set
+    ns = parse(["--emulate", "--hidden", "4096", "--topk", "8", "--impls", "arfuse_pdl,arfuse",
+                "--producer"])
+    assert ns.impls == ["arfuse", "arfuse_pdl"] and ns.producer
+
+
 def test_output_stem_and_command():
     ns = parse(["--emulate", "--hidden", "4096", "--topk", "8", "--dtype", "fp16"])
     assert outputs.output_stem(ns) == "bench_h4096k8_emu8_fp16_permuted"

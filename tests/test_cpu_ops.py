@@ -31,7 +31,7 @@ def rand(*shape, dtype=torch.bfloat16):
 def test_library_matches_manifest(lib, manifest):
     names = sorted(arfuse.supported_variants())
     assert names == sorted(i["name"] for i in manifest["instances"])
-    assert manifest["api_version"] == arfuse._lib.API_VERSION == 12
+    assert manifest["api_version"] == arfuse._lib.API_VERSION == 13
 
 
 def test_schemas_are_registered(lib):

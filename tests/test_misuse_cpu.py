@@ -196,3 +196,24 @@ def test_communicator_refuses_two_hosts_before_allocating(lib, monkeypatch):
         assert "ranks 0 on host node-a; ranks 1 on host node-b" in str(e.value)
         assert "Nothing was allocated or opened" in str(e.value)
     assert created == []
+
+
+# ---- programmatic dependent launch (Communicator.pdl) -------------------------------------------
+
+def test_pdl_is_off_and_refused_on_a_cpu_communicator(comm):
+    assert comm.pdl is False
+    with pytest.raises(ValueError, match=r"pdl: a CPU communicator launches no kernels"):
+        comm.pdl = True
+    assert comm.pdl is False  # nothing changed
+    with pytest.raises(TypeError, match=r"pdl: want a bool, got int"):
+        comm.pdl = 1
+
+
+def test_pdl_of_a_closed_communicator_names_it(lib):
+    c = cpu_communicator(max_tokens=4, hidden=H, dtype=torch.bfloat16)
+    handle = c.handle
+    c.close()
+    with pytest.raises(ValueError, match=r"closed"):
+        c.pdl
+    with pytest.raises(ValueError, match=rf"comm: {handle}"):
+        comm_mod._op("comm_set_pdl", handle, True)

@@ -204,6 +204,7 @@ def resolve_algorithm(algorithm: str, T: int, oneshot_max_tokens: int | None,
 # None = bytes not counted.
 IMPL_ALGORITHM = {
     "arfuse": ("fused", "auto"),
+    "arfuse_pdl": ("fused", "auto"),         # the same kernel, launched as a programmatic dependent
     "arfuse_oneshot": ("fused", "oneshot"),
     "arfuse_twoshot": ("fused", "twoshot"),
     "unfused": ("unfused", "auto"),

@@ -64,6 +64,9 @@ from .._tools.ranks import torchrun_world
 DTYPE_NAMES = _vocab.DTYPE_NAMES
 DEFAULT_TOKENS = [1 << i for i in range(14)]  # 1, 2, 4, ..., 8192
 ALL_IMPLS = BR.IMPL_ORDER
+# What --impls defaults to: all but arfuse_pdl (the same kernel launched otherwise: asked for by name,
+# for the programmatic-launch A/B, usually with --producer).
+DEFAULT_IMPLS = tuple(i for i in ALL_IMPLS if i != "arfuse_pdl")
 TUNE_IMPLS = ("arfuse_oneshot", "arfuse_twoshot")
 MAX_WORLD = _vocab.MAX_WORLD
 
@@ -215,9 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("run")
     run.add_argument("--emulate", action="store_true",
                      help="one GPU, N ranks via arfuse.testing.LocalGroup")
-    run.add_argument("--impls", default=",".join(ALL_IMPLS),
+    run.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
                      help="comma list of implementations to time (default: those listed below; "
                      "arfuse_q and arfuse_sepq only with --quant)")
+    run.add_argument("--producer", action="store_true",
+                     help="precede every arfuse call on its rank's stream by a producer kernel "
+                     "(a copy writing the residual the call reads), one group step per call: "
+                     "the two-kernel graph in which arfuse_pdl's programmatic launch acts; times "
+                     "are producer + call (arfuse implementations only)")
     run.add_argument("--tune", action="store_true",
                      help="time one-shot and two-shot only and report the crossover as a "
                      "variants/tuning.yaml row")

@@ -92,20 +92,50 @@ class TwoPhase(Impl):
 
 
 class ArfuseFused(PerRank):
-    def __init__(self, setup, sets, algorithm):
+    """arfuse's fused op; pdl=True launches it as a programmatic dependent (Communicator.pdl, set
+    for its calls only). With --producer every call is preceded on its rank's stream by a producer
+    kernel (a copy that writes the residual the call then reads: the upstream kernel of a
+    two-kernel graph), each call its own group step, so that the producer -> fused edge is a
+    kernel -> kernel edge of that stream; the time is then producer + fused call."""
+
+    def __init__(self, setup, sets, algorithm, pdl=False):
         super().__init__(setup, sets)
         self.algo = algorithm
+        self.pdl = pdl
+        self.produced = {}  # rank -> the residual the producer writes, reused by every call
+
+    def _produce(self, rank, inp):
+        out = self.produced.get(rank)
+        if out is None or out.shape != inp.residual.shape:
+            out = self.produced[rank] = torch.empty_like(inp.residual)
+        return out.copy_(inp.residual)
 
     def call(self, rank, comm, inp):
         a = self.setup.args
         kw = {}
         if inp.idx is not None:
             kw["permuted_idx"] = inp.idx
-        return self.setup.ar.moe_finalize_allreduce_rmsnorm(
-            comm, inp.expert_out, inp.residual, self.setup.gamma, float(a.eps),
-            expert_weights=inp.weights, shared_out=inp.shared,
-            routed_scaling=float(a.routed_scaling), weight_bias=float(a.weight_bias),
-            algorithm=self.algo, **kw)
+        residual = self._produce(rank, inp) if a.producer else inp.residual
+
+        def fused():
+            return self.setup.ar.moe_finalize_allreduce_rmsnorm(
+                comm, inp.expert_out, residual, self.setup.gamma, float(a.eps),
+                expert_weights=inp.weights, shared_out=inp.shared,
+                routed_scaling=float(a.routed_scaling), weight_bias=float(a.weight_bias),
+                algorithm=self.algo, **kw)
+        if not self.pdl:
+            return fused()
+        comm.pdl = True  # read when the launch is prepared (queued launches keep it)
+        try:
+            return fused()
+        finally:
+            comm.pdl = False
+
+    def enqueue(self, seq):
+        if not self.setup.args.producer:
+            return super().enqueue(seq)
+        for s in seq:
+            self.once(s)
 
 
 QUANT_IMPLS = ("arfuse_q", "arfuse_sepq")
@@ -407,8 +437,12 @@ class FlashInferP1(PerRank):
 def build_impl(name: str, setup: Setup, sets: list, T: int, thr) -> Impl:
     a = setup.args
     N = setup.world_size
-    if name == "arfuse":
-        impl = ArfuseFused(setup, sets, "auto")
+    if a.producer and name not in ("arfuse", "arfuse_pdl", "arfuse_oneshot", "arfuse_twoshot"):
+        raise Skip("--producer times arfuse's own implementations only")
+    if name in ("arfuse", "arfuse_pdl"):
+        if name == "arfuse_pdl" and setup.device.type != "cuda":
+            raise Skip("programmatic dependent launch needs a CUDA device")
+        impl = ArfuseFused(setup, sets, "auto", pdl=name == "arfuse_pdl")
         impl.algorithm = (BB.resolve_algorithm("auto", T, thr, N) if thr is not None or N == 1
                           else None)
     elif name in ("arfuse_oneshot", "arfuse_twoshot"):

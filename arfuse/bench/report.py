@@ -12,13 +12,14 @@ import io
 import math
 from typing import Iterable, Sequence
 
-IMPL_ORDER = ("arfuse", "arfuse_oneshot", "arfuse_twoshot", "unfused", "vllm_today", "vllm_ops",
+IMPL_ORDER = ("arfuse", "arfuse_pdl", "arfuse_oneshot", "arfuse_twoshot", "unfused", "vllm_today", "vllm_ops",
               "torch",
               "arfuse_q", "arfuse_sepq",
               "flashinfer_p7", "flashinfer_p1")
 
 IMPL_LABELS = {
     "arfuse": "arfuse (auto)",
+    "arfuse_pdl": "arfuse (auto), programmatic dependent launch",
     "arfuse_oneshot": "arfuse one-shot",
     "arfuse_twoshot": "arfuse two-shot",
     "unfused": "unfused (finalize + AR/norm)",

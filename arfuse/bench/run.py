@@ -146,8 +146,10 @@ def _run(setup: Setup, on_token_done=None, factories=None) -> dict:
                 except Skip as e:  # deterministic: the same on every rank
                     row["note"], result = str(e), "skip"
                 if impl is not None:
-                    row["algorithm"] = impl.algorithm or ("auto" if name == "arfuse" else None)
-                    row["bytes_per_rank"] = BB.impl_bytes(
+                    row["algorithm"] = impl.algorithm or ("auto" if name in ("arfuse", "arfuse_pdl")
+                                                          else None)
+                    # --producer: the time holds the producer's copy too, so no bandwidth figure
+                    row["bytes_per_rank"] = None if a.producer else BB.impl_bytes(
                         name, a.layout, T, a.hidden, a.topk, setup.world_size, setup.elem,
                         oneshot_max_tokens=thr, algorithm=impl.algorithm, valid_rows=valid,
                         quant=(a.quant if name in QUANT_IMPLS else None),

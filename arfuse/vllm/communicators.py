@@ -70,7 +70,7 @@ def plan(vllm_config: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     if oneshot is not None:
         oneshot = min(oneshot, max_tokens)
     tp = get_tp_group()
-    key = (tp.unique_name, hidden, dtype, max_tokens, oneshot)
+    key = (tp.unique_name, hidden, dtype, max_tokens, oneshot, s.pdl)
     kwargs = dict(
         group=tp.cpu_group,
         max_tokens=max_tokens,
@@ -79,6 +79,7 @@ def plan(vllm_config: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         oneshot_max_tokens=oneshot,
         device=tp.device,
         timeout_s=float(s.timeout_s),
+        pdl=s.pdl,
     )
     return key, kwargs
 

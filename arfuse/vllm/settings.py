@@ -24,6 +24,9 @@ FP8_ENV = "ARFUSE_VLLM_FP8"
 # Whether eligible MoE layers hand their unfinalized expert rows to the graph, so that the
 # finalize is fused too (arfuse.vllm.moe_rows).
 MOE_ROWS_ENV = "ARFUSE_VLLM_MOE_ROWS"
+# Whether the fused kernels launch as programmatic dependents of the kernel before them
+# (Communicator.pdl): off by default until measured in an engine.
+PDL_ENV = "ARFUSE_VLLM_PDL"
 # How long a rank's kernel waits for its peers before giving up (the communicator then reports
 # itself broken). Generous by default: in a deployment the ranks reach their first fused call at
 # different times (one rank may still be compiling or capturing CUDA graphs), and a wait that
@@ -48,6 +51,7 @@ class Settings:
     timeout_s: int = DEFAULT_TIMEOUT_S
     fp8: bool = True
     moe_rows: bool = True
+    pdl: bool = False
 
     @property
     def algorithm_code(self) -> int:
@@ -94,6 +98,7 @@ def from_env() -> Settings:
         timeout_s=_positive_int(TIMEOUT_ENV) or DEFAULT_TIMEOUT_S,
         fp8=_flag(FP8_ENV, default=True),
         moe_rows=_flag(MOE_ROWS_ENV, default=True),
+        pdl=_flag(PDL_ENV),
     )
 
 

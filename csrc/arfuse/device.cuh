@@ -181,6 +181,15 @@ __device__ __forceinline__ void st_push(void* p, const uint4& v) {
                : "memory");
 }
 
+// Programmatic dependent launch (PDL): waits until the grids this one depends on have completed and
+// their memory operations are visible (griddepcontrol.wait). A kernel launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization may start while the kernel before it on the
+// stream is still finishing; launched without it, this returns at once. Every block calls it
+// before its first global memory access (the LaunchParams in constant space are not one).
+__device__ __forceinline__ void grid_dependency_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Cluster exchange without a memory fence (row_reduce, kernel.cuh). cooperative_groups'
 // cluster.sync() is barrier.cluster.arrive.release + wait: the release compiles to MEMBAR.ALL.GPU,

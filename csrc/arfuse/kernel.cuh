@@ -360,6 +360,10 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
   const int N = geo.N;
   const int T_ = geo.T;
   const int rank = p.rank;
+  // PDL: nothing above touched global memory (the shared-memory set-up overlaps the kernel before
+  // this one); the epoch below was written by the previous call on this stream, which may be that
+  // kernel, and the inputs may be its outputs.
+  grid_dependency_wait();
 
   // ---- epoch and slot (every slot is all-sentinel at the start of a call: each element is
   // reset by its reader right after it is read) ----
@@ -564,6 +568,7 @@ __device__ __forceinline__ void local_body(const LaunchParams& p) {
   Reducer<Cfg> red(&reduce_smem);
   const int64_t H = geo.H;
   const int units = (geo.T + Cfg::kTpb - 1) / Cfg::kTpb;
+  grid_dependency_wait();  // PDL: the inputs may be the outputs of the kernel before this one
   for (int w = geo.cluster_id; w < units; w += geo.num_clusters) {
     const int64_t t = static_cast<int64_t>(w) * Cfg::kTpb + geo.g;
     const bool valid = geo.g < Cfg::kTpb && t < geo.T;
@@ -638,7 +643,8 @@ constexpr auto kernel_of() {
 // Host launcher: block and cluster shape from the config (generic: from the hidden size), grid
 // capped at the co-resident count (a persistent grid; with ranks sharing this GPU, each rank's
 // share of it, since their separate grids must all run at once), launched with
-// cudaLaunchKernelEx so the cluster shape is an attribute.
+// cudaLaunchKernelEx so the cluster shape (and, where the communicator asks for it, programmatic
+// stream serialization: PDL) is an attribute.
 // ---------------------------------------------------------------------------------------------
 namespace detail {
 cudaError_t co_resident_blocks(const void* kernel, int block_threads, int cluster, int* per_device);
@@ -690,16 +696,22 @@ cudaError_t launch_fused(const LaunchParams& p, cudaStream_t stream) {
   config.blockDim = dim3(block);
   config.dynamicSmemBytes = 0;
   config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  config.numAttrs = 0;
+  cudaLaunchAttribute attr[2];
+  unsigned n_attr = 0;
   if constexpr (Cfg::kCluster > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = Cfg::kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
+    attr[n_attr].id = cudaLaunchAttributeClusterDimension;
+    attr[n_attr].val.clusterDim.x = Cfg::kCluster;
+    attr[n_attr].val.clusterDim.y = 1;
+    attr[n_attr].val.clusterDim.z = 1;
+    ++n_attr;
   }
+  if (p.pdl) {  // every block waits for the kernel before it (grid_dependency_wait)
+    attr[n_attr].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n_attr].val.programmaticStreamSerializationAllowed = 1;
+    ++n_attr;
+  }
+  config.attrs = n_attr > 0 ? attr : nullptr;
+  config.numAttrs = n_attr;
   return cudaLaunchKernelEx(&config, kernel_fn, p);
 }
 

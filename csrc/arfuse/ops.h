@@ -36,6 +36,8 @@ void comm_open_peers(int64_t comm, const Tensor& handles);
 void comm_set_local_peers(int64_t comm, const std::vector<int64_t>& comms);
 void comm_destroy(int64_t comm);
 int64_t comm_status(int64_t comm);
+// Programmatic dependent launch of the communicator's fused kernels (CUDA communicators only).
+void comm_set_pdl(int64_t comm, bool enable);
 std::vector<int64_t> comm_info(int64_t comm);
 
 // ---- the fused op ----

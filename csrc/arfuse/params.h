@@ -13,7 +13,7 @@ namespace arfuse {
 // Bumped whenever LaunchParams, the kernel template's parameters, the launcher signature or the
 // dispatch table's Instance (csrc/arfuse/dispatch.h) change.
 // Every generated file static_asserts on it, so stale generated output stops compiling.
-#define ARFUSE_DEVICE_API_VERSION 12
+#define ARFUSE_DEVICE_API_VERSION 13
 
 constexpr int kMaxWorld = 16;   // largest tensor-parallel group a communicator serves
 constexpr int kMaxTopK = 64;    // largest K (experts per token) accepted by the op
@@ -85,6 +85,11 @@ struct LaunchParams {
   int32_t ranks_per_device;  // 1 for one GPU per rank; N for an emulated group
   int64_t timeout_ns;        // a wait longer than this gives up, poisons outputs, sets error_flag
   int32_t prepare_only;      // 1: load the kernel and size the grid, launch nothing (deferred launches)
+  // 1: launched as a programmatic dependent (PDL: cudaLaunchAttributeProgrammaticStreamSerialization):
+  // the grid may start while the kernel before it on the stream is finishing; every block waits
+  // (griddepcontrol.wait) for that kernel's completion and memory before its first global access,
+  // so the results are those of plain stream order. 0: a plain launch (the wait is a no-op).
+  int32_t pdl;
 };
 
 }  // namespace arfuse

@@ -272,7 +272,14 @@ std::vector<int64_t> info(const Comm& c) {
           c.ranks_per_device,
           c.cuda ? c.device_index : -1,
           c.peers_ready ? 1 : 0,
-          c.slot_elems};
+          c.slot_elems,
+          c.pdl ? 1 : 0};
+}
+
+void set_pdl(Comm& c, bool enable) {
+  ARFUSE_CHECK_VALUE(c.cuda, "pdl: a CPU communicator launches no kernels (programmatic dependent "
+                     "launch is for CUDA communicators)");
+  c.pdl = enable;
 }
 
 }  // namespace arfuse::host

@@ -42,6 +42,9 @@ struct Comm {
   bool ipc_opened[kMaxWorld] = {};
   bool peers_ready = false;
   std::shared_ptr<LocalGroupState> local_group;  // set by set_local_peers (emulated groups)
+  // Launch the fused kernels as programmatic dependents of the kernel before them on the stream
+  // (PDL, LaunchParams::pdl): set by set_pdl, off at creation.
+  bool pdl = false;
 
   // 0 when healthy; 1 + r after a call gave up waiting for rank r.
   uint32_t error_word() const {
@@ -67,8 +70,11 @@ void open_ipc_peers(Comm& c, const uint8_t* handles, int64_t handle_bytes);
 void set_local_peers(Comm& c, const std::vector<int64_t>& comms);
 // cudaIpcMemHandle_t of the communicator's buffer, as bytes.
 std::vector<uint8_t> ipc_handle(const Comm& c);
+// Turns programmatic dependent launch of this communicator's fused kernels on or off. Only a CUDA
+// communicator launches anything; a CPU one refuses (ValueError naming the rule).
+void set_pdl(Comm& c, bool enable);
 // [rank, world, hidden, dtype, max_tokens, oneshot_cap, ranks_per_device, device index or -1,
-//  peers ready, slot_elems]
+//  peers ready, slot_elems, pdl]
 std::vector<int64_t> info(const Comm& c);
 
 }  // namespace arfuse::host

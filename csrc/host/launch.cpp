@@ -76,6 +76,7 @@ void launch_fused(const Comm& c, const Checked& k, const Inputs& in, double eps,
   p.max_blocks = 0;
   p.ranks_per_device = c.ranks_per_device;
   p.timeout_ns = c.timeout_ns;
+  p.pdl = c.pdl ? 1 : 0;
   const DeviceScope scope(c.device_index);
   cudaStream_t stream = current_stream(c.device_index);
   if (!t_defer) {

@@ -80,6 +80,8 @@ void comm_destroy(int64_t comm) {
 
 int64_t comm_status(int64_t comm) { return host::get(comm).error_word(); }
 
+void comm_set_pdl(int64_t comm, bool enable) { host::set_pdl(host::get(comm), enable); }
+
 std::vector<int64_t> comm_info(int64_t comm) { return host::info(host::get(comm)); }
 
 // ---- the fused ops ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 // Dispatch data for testdata/golden_basic/matrix.yaml (3 kernel instances) and testdata/golden_basic/tuning.yaml (2 measured thresholds).
 #include "dispatch_table.h"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 13, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 namespace {
 

@@ -4,7 +4,7 @@
 #include "arfuse/ops.h"
 #include "arfuse/params.h"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 13, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 STABLE_TORCH_LIBRARY(arfuse, m) {
   m.def("comm_create(int rank, int world_size, int hidden, ScalarType dtype, int max_tokens, int oneshot_max_tokens, int ranks_per_device, Device device, float timeout_s) -> int");
@@ -13,6 +13,7 @@ STABLE_TORCH_LIBRARY(arfuse, m) {
   m.def("comm_set_local_peers(int comm, int[] comms) -> ()");
   m.def("comm_destroy(int comm) -> ()");
   m.def("comm_status(int comm) -> int");
+  m.def("comm_set_pdl(int comm, bool enable) -> ()");
   m.def("comm_info(int comm) -> int[]");
   m.def("fused(Tensor expert_out, Tensor? permuted_idx, Tensor? expert_weights, Tensor? shared_out, Tensor? residual, Tensor gamma, float eps, float weight_bias, float routed_scaling, Tensor? fp8_scale, int comm, int algorithm) -> (Tensor, Tensor)");
   m.def("fused_inplace(Tensor(a!) input, Tensor(b!) residual, Tensor? shared_out, Tensor gamma, float eps, float weight_bias, float routed_scaling, int comm, int algorithm) -> ()");
@@ -36,6 +37,7 @@ STABLE_TORCH_LIBRARY_IMPL(arfuse, CompositeExplicitAutograd, m) {
   m.impl("comm_set_local_peers", TORCH_BOX(&arfuse::ops::comm_set_local_peers));
   m.impl("comm_destroy", TORCH_BOX(&arfuse::ops::comm_destroy));
   m.impl("comm_status", TORCH_BOX(&arfuse::ops::comm_status));
+  m.impl("comm_set_pdl", TORCH_BOX(&arfuse::ops::comm_set_pdl));
   m.impl("comm_info", TORCH_BOX(&arfuse::ops::comm_info));
   m.impl("validate", TORCH_BOX(&arfuse::ops::validate_fused));
   m.impl("validate_fp8_dynamic", TORCH_BOX(&arfuse::ops::validate_fp8_dynamic));

@@ -2,7 +2,7 @@
 // The 4 output kinds of gen/tables.go, for the host code (csrc/host/out_kinds.h).
 #include "host/out_kinds.h"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 13, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 namespace {
 

@@ -2,7 +2,7 @@
 // Dispatch data for testdata/golden_local/matrix.yaml (5 kernel instances) and testdata/tuning.yaml (0 measured thresholds).
 #include "dispatch_table.h"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 13, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 namespace {
 

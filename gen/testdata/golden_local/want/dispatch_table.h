@@ -4,7 +4,7 @@
 
 #include "arfuse/dispatch.h"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 13, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 namespace arfuse::gen {
 cudaError_t arfuse_bf16_generic_local_norm(const LaunchParams& p, cudaStream_t stream);

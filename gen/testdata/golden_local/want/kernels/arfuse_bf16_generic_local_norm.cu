@@ -2,7 +2,7 @@
 // Variant arfuse_bf16_generic_local_norm: generic (hidden size and world size at run time, hidden <= max_hidden=32768) vec=8 cluster=1 threads_per_token=launch vecs_per_thread=8 tokens_per_block=1 block_threads=launch
 #include "arfuse/kernel.cuh"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 13, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 namespace arfuse::gen {
 cudaError_t arfuse_bf16_generic_local_norm(const LaunchParams& p, cudaStream_t stream) {

@@ -3,7 +3,7 @@
 // Token split (variants/tuning.yaml min_blocks_splits): served for T <= 256; above, the bounded sibling.
 #include "arfuse/kernel.cuh"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 13, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 namespace arfuse::gen {
 cudaError_t arfuse_bf16_h4096_w2_twoshot_norm_upto256(const LaunchParams& p, cudaStream_t stream) {

@@ -2,7 +2,7 @@
 // Variant arfuse_bf16_h4096_w4_twoshot_norm: vec=8 nvec=512 cluster=1 threads_per_token=256 vecs_per_thread=2 tokens_per_block=1 block_threads=256 min_blocks_per_sm=4
 #include "arfuse/kernel.cuh"
 
-static_assert(ARFUSE_DEVICE_API_VERSION == 12, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
+static_assert(ARFUSE_DEVICE_API_VERSION == 13, "out/ was generated for another csrc/arfuse/params.h: run go run ./gen");
 
 namespace arfuse::gen {
 cudaError_t arfuse_bf16_h4096_w4_twoshot_norm(const LaunchParams& p, cudaStream_t stream) {
