@@ -2,7 +2,8 @@
 input with absent experts, T = 37, a specialised-size and a generic-size hidden; then the dynamic
 FP8 outputs (per token with an upper bound, per group of 128 column-major) at a generic size; then
 world size 1 (the local algorithm: arfuse.local_communicator) at a clustered specialised size,
-a generic one and with the dynamic FP8 outputs; and a token split's twin and its sibling.
+a generic one and with the dynamic FP8 outputs; a token split's twin and its sibling; and calls
+launched as programmatic dependents (Communicator.pdl).
 
     compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py
 """
@@ -76,6 +77,24 @@ def main() -> None:
             (check_dynamic_case if case.quant else check_case)(case, outs, inputs)
         one.comm.close()
         print(f"ok local hidden={hidden} {dtype} {extra.get('quant', 'norm')}")
+
+    # Programmatic dependent launch (Communicator.pdl): the same calls launched as dependents of
+    # the kernel before them, world size 4 (both algorithms) and world size 1.
+    with LocalGroup(4, max_tokens=64, hidden=2880, dtype=torch.bfloat16, timeout_s=120.0,
+                    pdl=True) as group:
+        for algo in ("oneshot", "twoshot"):
+            case = Case(4, 2880, torch.bfloat16, 37, "permuted", 8, "f32", True, 1.0,
+                        absent=0.3, algorithm=algo)
+            outs, inputs = run_case(group, case, 777)
+            check_case(case, outs, inputs)
+        assert group.status() == [0, 0, 0, 0]
+    one = One(7168, torch.bfloat16)
+    one.comm.pdl = True
+    case = Case(1, 7168, torch.bfloat16, 37, "permuted", 8, "f32", True, 2.5, absent=0.3)
+    outs, inputs = run_case(one, case, 778)
+    check_case(case, outs, inputs)
+    one.comm.close()
+    print("ok pdl hidden=2880 N=4 (both algorithms), hidden=7168 local")
 
 
 if __name__ == "__main__":
