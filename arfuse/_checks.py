@@ -225,15 +225,38 @@ def check_tensor(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) ->
     return err
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8StaticRule:
+    """The static-FP8 norm_out reference: the float64 RMSNorm of the op's *own* residual_out,
+    quantised by vLLM's static rule. Not the float64 pipeline's codes: every rank's partial is
+    rounded to the activation dtype for transport, and a partial whose float32 value lies on the
+    other side of a rounding tie than its float64 value moves its element by one ulp of the
+    partial; where that element is near zero its FP8 code moves by many ulp (up to 15 in a
+    float32-vs-float64 simulation of the suite's cases on the CPU, 2026-12-05). That rounding is
+    residual_out's, checked on its own against the float64 reference; from residual_out on, the
+    kernel's float32 RMSNorm and scaling are within one FP8 ulp of float64 (as the dynamic kinds,
+    tests/fused_cases.check_dynamic_case)."""
+    gamma: torch.Tensor
+    eps: float
+    weight_bias: float
+    scale: torch.Tensor
+
+    def codes(self, residual_out: torch.Tensor) -> torch.Tensor:
+        y = reference.rmsnorm(residual_out, self.gamma.to(residual_out.device), self.eps,
+                              self.weight_bias, acc=torch.float64)
+        return reference.quantize_fp8_static(y, self.scale.to(residual_out.device))
+
+
 def reference_for(case: Case, inputs, fp8_scale=None, *, residual=True):
-    """(norm_out, residual_out) of the op's definition in float64 (norm_out quantised to e4m3 for
-    an FP8 case). residual=False: the op called without a residual."""
+    """(norm_out, residual_out) of the op's definition in float64; for an FP8 case norm_out's
+    reference is an Fp8StaticRule, applied to the op's own residual_out by
+    check_against_reference. residual=False: the op called without a residual."""
     ranks, res, gamma = inputs
     norm, out = reference.fused_reference(ranks, res if residual else None, gamma, case.eps,
                                           weight_bias=case.weight_bias,
                                           routed_scaling=case.routed_scaling, acc=torch.float64)
     if case.fp8:
-        return reference.quantize_fp8_static(norm, fp8_scale), out
+        return Fp8StaticRule(gamma, case.eps, case.weight_bias, fp8_scale), out
     return norm, out
 
 
@@ -247,7 +270,7 @@ def check_against_reference(case: Case, out, ref) -> dict:
     tol = TOL[case.dtype]
     res_err = check_tensor(r, res_ref, tol, f"{case}: residual_out")
     if case.fp8:
-        norm_err = check_fp8(n, norm_ref, f"{case}: norm_out")
+        norm_err = check_fp8(n, norm_ref.codes(r), f"{case}: norm_out")
     else:
         norm_err = check_tensor(n, norm_ref, tol, f"{case}: norm_out")
     return {"residual_out": res_err, "norm_out": norm_err}
@@ -293,7 +316,11 @@ def check_fp8(out: torch.Tensor, ref: torch.Tensor, what: str) -> float:
     nan_o = torch.isnan(out.float())
     nan_r = torch.isnan(ref.float())
     _require(torch.equal(nan_o, nan_r), lambda: f"{what}: NaN positions differ")
-    d = fp8_ulp_distance(out[~nan_r], ref[~nan_r])
+    d = fp8_ulp_distance(out, ref).masked_fill(nan_r, 0)
     worst = int(d.max()) if d.numel() else 0
-    _require(worst <= 1, lambda: f"{what}: FP8 code {worst} ulp from the reference's (want <= 1)")
+    if worst > 1:
+        i = tuple((d == worst).nonzero()[0].tolist())
+        raise AssertionError(f"{what}: FP8 code {worst} ulp from the reference's (want <= 1) at "
+                             f"{list(i)}: {float(out[i].float())!r} vs "
+                             f"{float(ref[i].float())!r} ({int((d > 1).sum())} elements > 1 ulp)")
     return float(worst)
