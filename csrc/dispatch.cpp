@@ -101,17 +101,19 @@ const Instance* find_instance(DType dtype, int hidden, int world_size, Algo algo
 }
 
 // Default crossover for combinations the tuning table has not measured: one-shot while the bytes
-// each rank receives in one call (N * T * H * elem) stay within 512 KiB, at least 1 token. One-shot
+// each rank receives in one call (N * T * H * elem) stay within 1 MiB, at least 1 token. One-shot
 // moves N times the row bytes but needs a single wait; two-shot moves about 2x the row bytes with
-// two dependent waits. The budget is fitted to the 12 crossovers measured on the H200 at ac03913
-// (variants/tuning.yaml): at the measured token counts it picks the same algorithm for 9 of them;
-// it picks two-shot one step early for hidden 7168 N = 2 at T = 32 (+1 %) and for 2880 (K = 4)
-// N = 4 at T = 32 (+13 %) and N = 2 at T = 64 (+31 %). (The earlier 2 MiB took one-shot up to
-// T = 18 at 7168 N = 8, 41 % slower than two-shot at T = 16 in fp16.) docs/performance.md.
+// two dependent waits. The budget is fitted to the 12 crossovers measured on the H200 at eb76442
+// (variants/tuning.yaml): at the measured token counts it picks the same algorithm for 8 of them;
+// one-shot one step late for hidden 4096 N = 8 at T = 16 (+6 %) and 2048 N = 8 at T = 32 (+9 %);
+// two-shot early for 2880 (K = 4: a cheaper one-shot than the bytes say) N = 4 at T = 64 (+8 %)
+// and N = 2 at T = 128 and 256 (+15 %, +8 %). (512 KiB, fitted to ac03913's crossovers, picked
+// two-shot early at 10 of today's 12; the earlier 2 MiB took one-shot up to T = 18 at 7168 N = 8,
+// 41 % slower than two-shot at T = 16 in fp16 at 1082a62.) docs/performance.md.
 int default_oneshot_max_tokens(DType dtype, int hidden, int world_size) {
   const int64_t elem = dtype == DType::kFP32 ? 4 : 2;
   const int64_t per_token = static_cast<int64_t>(std::max(world_size, 1)) * hidden * elem;
-  const int64_t budget = int64_t{512} << 10;
+  const int64_t budget = int64_t{1} << 20;
   return static_cast<int>(std::max<int64_t>(1, budget / std::max<int64_t>(per_token, 1)));
 }
 

@@ -8,7 +8,8 @@
 #   go run ./gen --matrix ab --out build/ab/out          (in this tree and in every OLD)
 #   scripts/kernel_ab.sh $OUT .snap/base [.snap/s1 ...]   carry [".snap", "build/ab/out"]
 # Knobs: AB_TOKENS (default 1,2,4,8,16,64,1024,8192), AB_CONFIGS ("model N;model N;...", default
-# the four above), ROUNDS, LADDER=1, LADDER_TOKENS,
+# the four above), AB_IMPL (default arfuse, the dispatch's choice; arfuse_oneshot / arfuse_twoshot
+# force one algorithm), ROUNDS, LADDER=1, LADDER_TOKENS,
 # DEADLINE_S (default 560), AB_PREBUILT=1 (every tree's build/ab/lib was built before, here or
 # on this machine: no build), AB_NAME (default ab: OUT/AB_NAME.tgz, OUT/AB_NAME-summary.txt, so
 # that one call can run several A/Bs). Results: OUT/ab.tgz (CSVs, markdown, logs of both trees),
@@ -56,7 +57,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
       who=${labels[$i]} tree=${trees[$i]}
       t=$(left); [ "$t" -gt 20 ] || { echo "deadline"; break 3; }
       as "$tree" timeout "$t" python3 -m arfuse.bench --emulate --model "$1" --world-size "$2" \
-        --dtype bf16 --layout permuted --replays 50 --no-plot --impls arfuse \
+        --dtype bf16 --layout permuted --replays 50 --no-plot --impls "${AB_IMPL:-arfuse}" \
         --tokens "${AB_TOKENS:-1,2,4,8,16,64,1024,8192}" --out "$ab/$who" --name "$1-w$2-r$round" \
         >"$ab/$who-$1-w$2-r$round.log" 2>&1
       echo "$who $1 w$2 r$round: rc=$? at $(( $(date +%s) - start )) s $(grep -E '^\| 1 \|' "$ab/$who/$1-w$2-r$round.md" 2>/dev/null | cut -c1-60)"
@@ -74,15 +75,15 @@ if [ -n "${LADDER:-}" ]; then
     tar czf "$out/$name.tgz" -C "$new/build" "k$name"
   done
 fi
-python3 - "$ab" "${labels[@]}" <<'PY' | tee "$out/$name-summary.txt"
+python3 - "$ab" "${AB_IMPL:-arfuse}" "${labels[@]}" <<'PY' | tee "$out/$name-summary.txt"
 import csv, glob, os, statistics, sys
-ab, labels = sys.argv[1], sys.argv[2:]
+ab, impl, labels = sys.argv[1], sys.argv[2], sys.argv[3:]
 med = {}
 for who in labels:
     for f in glob.glob(os.path.join(ab, who, "*.csv")):
         cfg = os.path.basename(f).rsplit("-r", 1)[0]
         for r in csv.DictReader(open(f)):
-            if r["impl"] == "arfuse" and r["median_us"]:
+            if r["impl"] == impl and r["median_us"]:
                 med.setdefault((cfg, int(r["tokens"]), who), []).append(float(r["median_us"]))
 print(f"{'config':22s} {'T':>5s} " + " ".join(f"{w:>9s}" for w in labels) + "  (x/" + labels[0] + ")")
 for cfg in sorted({k[0] for k in med}):
