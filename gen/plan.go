@@ -168,9 +168,12 @@ func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 // resident: at 256 threads (H = 4096) ptxas chose 74 registers, three blocks per SM; asked for
 // four (64 registers), Qwen3-235B moved T = 8192 7-10 % faster at N = 2, 4, 8 (N = 4: 1,286 ->
 // 1,160 us), and was 2-8 % slower at a few mid T with few tokens per owner (N = 2 T = 256,
-// N = 8 T = 16-64) (kernel_ab on the H200 at 187a843, docs/performance.md). Other sizes are not
-// in the table until measured (192 threads: 5 blocks would cap at 68 registers; 128: 8 at 64,
-// where the 2048 instance already spills at 72).
+// N = 8 T = 16-64) (kernel_ab on the H200 at 187a843, docs/performance.md). At 192 threads
+// (H = 2880) five blocks (64 registers, 36-140 bytes spilled) moved gpt-oss-120b T = 8192 3-8 %
+// faster than ptxas's four (H200 kernel22, H100 50fc694) and cost up to 10 % at T = 128-512:
+// the token splits of variants/tuning.yaml serve the unbound twin there. 128 threads (H = 2048)
+// is not in the table: 8 blocks would cap at 64 registers, where that instance already spills
+// at 72, and the 6-blocks A/B (kernel22) was 2-3 % slower at T >= 1024.
 var twoShotMinBlocks = map[int]int{256: 4, 192: 5}
 
 // minBlocksAbove: blocks of more threads than this are compiled for two blocks per SM
