@@ -320,6 +320,15 @@ class _VllmTodayBase:
     fused_add_rms_norm on Hopper; neither runs in this process): see docs/performance.md for
     how the two compare."""
 
+    # The chain rounds to the activation dtype twice before the all-reduce (moe_sum's [T, H]
+    # result, then shared + rsf * y), where arfuse rounds once; with DeepSeek-V3's rsf 2.5 the
+    # first rounding is scaled 2.5x. Its error against the float32 reference (max |out - ref| /
+    # max |ref|, bf16) measured 0.0089 (N = 8) and 0.0098 / 0.012 (world size 1, T = 4096; H100,
+    # 2b4c094 / 20d3c26): within twice the dtype's tolerance, which is what the benchmark's
+    # correctness guard allows these implementations (a guard against a wrong chain, not a
+    # statement about arfuse's accuracy: tests/ check that against float64).
+    TOLERANCE_FACTOR = 2
+
     def _finalize(self, inp):
         a = self.setup.args
         rows = inp.expert_out
@@ -375,6 +384,8 @@ class VllmOps(PerRank):
     ``_C.fused_add_rms_norm`` in place (x becomes norm_out, residual becomes residual_out). Under
     torch.compile vLLM may run the last add and the norm as one Inductor kernel instead; the
     end-to-end run (docs/vllm.md) measures that form."""
+
+    TOLERANCE_FACTOR = _VllmTodayBase.TOLERANCE_FACTOR  # the same two roundings before the norm
 
     def __init__(self, setup, sets):
         super().__init__(setup, sets)

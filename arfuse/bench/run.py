@@ -168,7 +168,8 @@ def _run(setup: Setup, on_token_done=None, factories=None) -> dict:
                         result = "FAILED"
                     else:
                         row["max_rel_err"] = err
-                        tol_i = QUANT_TOLERANCE if name in QUANT_IMPLS else tol
+                        tol_i = QUANT_TOLERANCE if name in QUANT_IMPLS else \
+                            tol * getattr(impl, "TOLERANCE_FACTOR", 1)
                         checks.append({"impl": name, "tokens": T, "max_rel_err": err,
                                        "tol": tol_i})
                         if not err <= tol_i:
