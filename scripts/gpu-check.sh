@@ -26,9 +26,9 @@ ARFUSE_VALIDATION_REPORT=$out/validation.json \
   timeout 480 python3 -m pytest -q -ra -m gpu tests "$@" 2>&1 | tee "$out/pytest.log" | tail -n 40
 rc=$?
 # Programmatic dependent launch once more with 8 hardware queues: on the H100 a dependent did not
-# start early with the 32 an emulated group of 8 ranks needs, so the read-order checks of
-# tests/test_gpu_pdl.py could not fail in the pass above (its control is skipped there, with the
-# reason); here the control must see the early start (ARFUSE_PDL_REQUIRE_EARLY=1), and the world
+# always start early with the 32 an emulated group of 8 ranks needs, and where it does not the
+# read-order checks of tests/test_gpu_pdl.py cannot fail in the pass above (its control is then
+# skipped, with the reason); here the control must see the early start (ARFUSE_PDL_REQUIRE_EARLY=1), and the world
 # sizes up to 4 run (2 queues per rank).
 if [ $# -eq 0 ]; then
   CUDA_DEVICE_MAX_CONNECTIONS=8 ARFUSE_PDL_REQUIRE_EARLY=1 \

@@ -9,9 +9,9 @@ griddepcontrol.wait would see the stale rows (a different random tensor) and fai
 reference check. A control consumer without the wait is run first and must see the stale data:
 that shows the early start is real on this machine, so the checks below could fail. Where it is
 not (on an H100 with CUDA_DEVICE_MAX_CONNECTIONS=32, the count an emulated group of 8 ranks needs,
-a dependent never started early in four runs; with 8 it did in all three), the control is
-skipped with the reason and the calls below check only what they still can: the results and
-PDL's bits against a plain launch's. scripts/gpu-check.sh runs this file a second time with 8
+a single try did not start early in four runs out of four, three tries did in the fifth; with 8
+one try did in three runs out of three), the control is skipped with the reason and the calls
+below check only what they still can: the results and PDL's bits against a plain launch's. scripts/gpu-check.sh runs this file a second time with 8
 connections
 (world sizes up to 4: LocalGroup needs 2 per rank) and ARFUSE_PDL_REQUIRE_EARLY=1, under which
 the control fails instead of skipping.
@@ -137,7 +137,7 @@ def test_control_consumer_without_wait_reads_early(producer, early_start):
     if not early_start:
         pytest.skip("a programmatic dependent did not start early here in 3 tries "
                     f"(CUDA_DEVICE_MAX_CONNECTIONS={_connections()}; on the H100 it did with 8, "
-                    "not with 32): the read-order checks of this file cannot fail in this "
+                    "not always with 32): the read-order checks of this file cannot fail in this "
                     "process; scripts/gpu-check.sh runs the file again with 8")
     assert early_start
 
