@@ -11,10 +11,10 @@ that shows the early start is real on this machine, so the checks below could fa
 not (on an H100 with CUDA_DEVICE_MAX_CONNECTIONS=32, the count an emulated group of 8 ranks needs,
 a single try did not start early in four runs out of four, three tries did in the fifth; with 8
 one try did in three runs out of three), the control is skipped with the reason and the calls
-below check only what they still can: the results and PDL's bits against a plain launch's. scripts/gpu-check.sh runs this file a second time with 8
-connections
-(world sizes up to 4: LocalGroup needs 2 per rank) and ARFUSE_PDL_REQUIRE_EARLY=1, under which
-the control fails instead of skipping.
+below check only what they still can: the results and PDL's bits against a plain launch's.
+scripts/gpu-check.sh runs this file a second time with 8 connections (world sizes up to 4:
+LocalGroup needs 2 per rank) and ARFUSE_PDL_REQUIRE_EARLY=1, under which the control fails
+instead of skipping.
 Fresh random inputs every run (the seed is in the failure message), outputs poisoned (eager: the
 blocks the op allocates; graph: the graph's output tensors before each replay), every element
 checked, tolerances per dtype (arfuse._checks.TOL); and PDL's outputs bitwise equal to a plain
