@@ -190,15 +190,21 @@ def test_oneshot_bytes_by_hand():
 
 
 def test_twoshot_bytes_by_hand():
-    # T=4, H=16, K=2, N=2, bf16, dense: row = 128, per = 2
-    # scatter 128, owner reads 128, owner residual 64, gather writes 128, gather reads 128,
-    # clear (2*2 + 4)*16*2 = 256, gamma 32, outputs 256                  -> 1120
-    assert BB.op_bytes("twoshot", "dense", 4, 16, 2, 2, 2) == 416 + 1120
-    # T=5, N=2: per = 3, clear (3*2 + 5)*H*e
+    # T=4, H=16, K=2, N=2, bf16, dense: row = 128, a rank's own rows 64, its peers' 64
+    # (the owner's own partials and gathered rows stay in registers):
+    # scatter 64, owner reads 64, owner residual 64, gather writes 64, gather reads 64,
+    # clear 2*64 = 128, gamma 32, outputs 256                             -> 736
+    assert BB.op_bytes("twoshot", "dense", 4, 16, 2, 2, 2) == 416 + 736
+    # T=5, N=2: own rows 2.5 on average -> (5*16*2 + 1) // 2 = 80 bytes, peers' 80
     b = BB.op_bytes_breakdown("twoshot", "plain", 5, 16, 1, 2, 2, shared=False)
-    assert b["clear"] == (3 * 2 + 5) * 16 * 2
+    assert b["clear"] == 2 * 80 and b["scatter"] == b["gather_reads"] == 80
     assert b["residual"] == 5 * 16 * 2 // 2
     assert b["expert_rows"] == 5 * 16 * 2 and b["weights"] == 0 and b["shared"] == 0
+    # N=8, T=64, H=7168: the docstring's F_in + 8*T*H*e - 5*(T/N)*H*e + H*g
+    T, H, N, e = 64, 7168, 8, 2
+    f_in = T * H * e
+    assert BB.op_bytes("twoshot", "plain", T, H, 1, N, e, shared=False) == \
+        f_in + 8 * T * H * e - 5 * (T // N) * H * e + H * e
 
 
 def test_oneshot_formula_matches_docstring():

@@ -8,9 +8,10 @@ each block does its phases in order:
 
   one-shot: push the partial of each of its tokens into every rank's slot at [t][r]; then read
             its own [t][0..N) (waiting while a sentinel is there) and reset each to the sentinel;
-  two-shot: push each token's partial to its owner at [t_local][r]; then, for the owner's tokens,
-            read [t_local][0..N), reset, and push the sum into every rank's gather area at [t];
-            then read its own gather row [t] and reset it.
+  two-shot: push each token's partial to its owner at [t_local][r] (not the owner's own: it
+            keeps its partials in registers); then, for the owner's tokens, read [t_local][n]
+            for every peer n, reset, and push the sum into every peer's gather area at [t]; then
+            read its gather rows [t] of the other owners' tokens and reset them.
 
 Two-shot work is split into items (csrc/arfuse/kernel.cuh, TwoShotItems): item w = o * chunks + c
 is chunk c of owner o's tokens, and block b takes items b, b + G, ... in all three phases (phase 2:
@@ -72,17 +73,23 @@ def build_call(rank: Rank, call: int, T: int, algo: str, grid: int, N: int, slot
                 t = owner * per + local
                 if t < T:
                     items.append((owner, local, t))
+            # the owner keeps its own partial and its own gathered row in registers: nothing of
+            # its own tokens goes through its buffer, and it does no phase 3 for them
             for owner, local, t in items:
-                blocks[b].append(("write", owner, slot, local * N + rank.r, partial(call, rank.r, t)))
+                if owner != rank.r:
+                    blocks[b].append(("write", owner, slot, local * N + rank.r, partial(call, rank.r, t)))
             for owner, local, t in items:
                 if owner != rank.r:
                     continue
                 for n in range(N):
-                    blocks[b].append(("read", slot, local * N + n, partial(call, n, t)))
+                    if n != rank.r:
+                        blocks[b].append(("read", slot, local * N + n, partial(call, n, t)))
                 for q in range(N):
-                    blocks[b].append(("write", q, slot, per * N + t, ("sum", call, t)))
+                    if q != rank.r:
+                        blocks[b].append(("write", q, slot, per * N + t, ("sum", call, t)))
             for owner, local, t in items:
-                blocks[b].append(("read", slot, per * N + t, ("sum", call, t)))
+                if owner != rank.r:
+                    blocks[b].append(("read", slot, per * N + t, ("sum", call, t)))
         else:  # legacy
             for t in mine:
                 owner, local = divmod(t, per)

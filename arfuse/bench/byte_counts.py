@@ -30,20 +30,23 @@ One-shot (every rank pushes its partial rows to every peer, each rank sums all N
             = F_in + 3*N*T*H*e + 3*T*H*e + H*g
 
 Two-shot (reduce-scatter by token rows, then all-gather of the reduced rows, norm after the
-gather), as csrc/arfuse/kernel.cuh does it: the owner of a token adds the residual and gathers
-residual_out; every rank then reads the gathered rows and writes both outputs. Rank r owns
-ceil(T/N) tokens (the last ranks fewer); the terms marked (avg) are exact averages over ranks::
+gather), as csrc/arfuse/kernel.cuh does it: the owner of a token adds the residual, pushes
+residual_out to its peers' gather areas and writes both outputs of its own tokens; every rank then
+reads the gathered rows of the other owners' tokens and writes both outputs of them. The owner's
+own partials and its own gathered rows never go through its buffer (registers). Rank r owns
+ceil(T/N) tokens (the last ranks fewer); the terms marked (avg) are exact averages over ranks,
+with T/N the average number of tokens a rank owns::
 
     twoshot = F_in
-            + T*H*e               scatter: the partial written to the owners (T/N rows to each)
-            + N*(T/N)*H*e         owner reads the N partials of its rows          (avg; = T*H*e)
-            + (T/N)*H*e           owner reads the residual of its rows            (avg)
-            + N*(T/N)*H*e         gather: owner writes its residual_out rows to N ranks (avg)
-            + T*H*e               gather reads: every rank reads all T rows
-            + (ceil(T/N)*N + T)*H*e   resets to the sentinel after reading (scatter + gather area)
+            + (T - T/N)*H*e       scatter: the partials of the other owners' tokens, to them (avg)
+            + (N-1)*(T/N)*H*e     owner reads its peers' partials of its rows       (avg)
+            + (T/N)*H*e           owner reads the residual of its rows              (avg)
+            + (N-1)*(T/N)*H*e     gather: owner writes its residual_out rows to N-1 peers (avg)
+            + (T - T/N)*H*e       gather reads: the rows of the other owners' tokens (avg)
+            + 2*(T - T/N)*H*e     resets to the sentinel after reading (scatter + gather area)
             + H*g                 gamma read
             + 2*T*H*e             residual_out and norm_out written
-          ~ F_in + 7*T*H*e + (T/N)*H*e + H*g
+            = F_in + 8*T*H*e - 5*(T/N)*H*e + H*g
 
 Local (world size 1, no all-reduce: finalize, residual and norm of each token in one pass)::
 
@@ -146,13 +149,14 @@ def op_bytes_breakdown(algorithm: str, layout: str, T: int, H: int, K: int, N: i
         b["clear"] = N * row
         b["residual"] = row
     else:
-        per = -(-T // N)  # ceil(T / N): tokens per owner
-        b["scatter"] = row
-        b["owner_reads"] = row                    # N * (T/N) * H * e, averaged over ranks
-        b["residual"] = (row + N // 2) // N       # (T/N) * H * e, averaged over ranks
-        b["gather_writes"] = row                  # N * (T/N) * H * e, averaged over ranks
-        b["gather_reads"] = row
-        b["clear"] = (per * N + T) * H * elem
+        own = (row + N // 2) // N                 # (T/N) * H * e: a rank's own rows (avg)
+        peers = row - own                         # (T - T/N) * H * e = (N-1) * (T/N) * H * e
+        b["scatter"] = peers
+        b["owner_reads"] = peers
+        b["residual"] = own
+        b["gather_writes"] = peers
+        b["gather_reads"] = peers
+        b["clear"] = 2 * peers
     b["gamma"] = H * g
     b["outputs"] = 2 * row
     return b

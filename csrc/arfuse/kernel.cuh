@@ -14,9 +14,11 @@
 //   one-shot: finalize each token -> push the partial row into every rank's buffer at
 //             [t][r] -> poll own buffer [t][0..N) -> sum in rank order -> + residual -> RMSNorm.
 //   two-shot: finalize -> push the partial row of token t to its owner (t / ceil(T/N)) at
-//             [t_local][r] -> the owner sums its tokens in rank order, adds the residual and
-//             pushes residual_out rows to every rank's gather area -> every rank polls the
-//             gather area, writes residual_out and the RMSNorm of it.
+//             [t_local][r] -> the owner finalizes its own tokens (their partials stay in
+//             registers), sums them with the peers' in rank order, adds the residual, pushes
+//             residual_out rows to every peer's gather area and writes residual_out and the
+//             RMSNorm of its own tokens -> every rank polls the gather area for the other
+//             ranks' tokens, writes residual_out and the RMSNorm of them.
 //   local (world size 1, no all-reduce): finalize each token, round the partial once to the
 //             activation dtype (as every rank's partial is) -> + residual -> RMSNorm, all in
 //             registers in one pass over the token: no workspace, no waits, no epoch.
@@ -317,10 +319,14 @@ __device__ __forceinline__ void write_norm(const LaunchParams& p, const Geometry
 // Sums the N partial vectors at base + n * stride (n in rank order) once every one has arrived,
 // and resets each to the sentinel right after reading it: this rank is the only reader of its
 // own buffer, so the slot is clean again when the call ends (see docs/design.md).
-template <class Cfg>
+// kOwnInRegs (two-shot phase 2): rank own_rank's partial is own_val, already in registers; its
+// row in the buffer was never written, so it is neither polled nor reset. The sum is the same
+// float additions in the same rank order either way.
+template <class Cfg, bool kOwnInRegs = false>
 __device__ __forceinline__ void sum_ranks(const LaunchParams& p, const Geometry<Cfg>& geo,
                                           typename Cfg::T* base, int64_t stride,
-                                          Waiter& waiter, float (&s)[Cfg::kVec]) {
+                                          Waiter& waiter, float (&s)[Cfg::kVec],
+                                          int own_rank = -1, uint4 own_val = uint4{}) {
   using T = typename Cfg::T;
   constexpr int kB = Cfg::kRankBatch;
 #pragma unroll
@@ -329,13 +335,17 @@ __device__ __forceinline__ void sum_ranks(const LaunchParams& p, const Geometry<
     uint4 x[kB];
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
-      if (n0 + b < geo.N) x[b] = ld_poll(base + (n0 + b) * stride);
+      if (n0 + b < geo.N) {
+        x[b] = kOwnInRegs && n0 + b == own_rank ? own_val : ld_poll(base + (n0 + b) * stride);
+      }
     }
 #pragma unroll
     for (int b = 0; b < kB; ++b) {
       if (n0 + b < geo.N) {
-        if (has_sentinel<T>(x[b])) x[b] = waiter.wait<T>(base + (n0 + b) * stride, p, n0 + b);
-        st_vec(base + (n0 + b) * stride, sentinel_vec(sentinel_word<T>()));
+        if (!kOwnInRegs || n0 + b != own_rank) {
+          if (has_sentinel<T>(x[b])) x[b] = waiter.wait<T>(base + (n0 + b) * stride, p, n0 + b);
+          st_vec(base + (n0 + b) * stride, sentinel_vec(sentinel_word<T>()));
+        }
         float f[Cfg::kVec];
         unpack<T>(x[b], f);
 #pragma unroll
@@ -405,8 +415,11 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
     }
   };
 
-  // ---- phase 1: finalize every token and push the partial row ----
+  // ---- phase 1: finalize every token and push the partial row (two-shot: the tokens of the
+  // other ranks; this rank's own tokens are finalized in phase 2, their partials never leave the
+  // registers) ----
   for (int w = geo.cluster_id; w < units; w += geo.num_clusters) {
+    if (!kOneShot && w / items.chunks == rank) continue;  // uniform: an item has one owner
     int t, owner, local;
     if (!unit_token(w, t, owner, local)) continue;
 #pragma unroll
@@ -433,25 +446,34 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
   }
 
   if constexpr (!kOneShot) {
-    // ---- two-shot phase 2: the owner reduces its tokens (its items among this block's) and
-    // all-gathers residual_out ----
+    // ---- two-shot phase 2: the owner finalizes its own tokens (its items among this block's),
+    // sums them with the peers' partials, adds the residual, pushes residual_out to the peers'
+    // gather areas and writes both outputs itself: its own partial row and its own gather row
+    // are never written, read or reset (3 + 3 rows of traffic per own token fewer than a
+    // round trip through its own buffer), and its own tokens need no phase 3 ----
     const int lo = rank * items.chunks;
     for (int w = TwoShotItems::first_at_or_after(lo, geo.cluster_id, geo.num_clusters);
          w < lo + items.chunks; w += geo.num_clusters) {
       int t_, owner, local;
-      if (!unit_token(w, t_, owner, local)) continue;
+      const bool valid = unit_token(w, t_, owner, local);
       const int64_t t = t_;
+      TokenRow<Cfg> row;
+      float sq = 0.0f;
 #pragma unroll
       for (int i = 0; i < kVpt; ++i) {
+        row.clear(i);
         const int v = geo.vec(i);
-        if (v < 0) continue;
+        if (!valid || v < 0) continue;
         const int64_t elem = static_cast<int64_t>(v) * kVec;
         const uint4 res = p.residual != nullptr
                               ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
                               : make_uint4(0, 0, 0, 0);
+        float acc[kVec];
+        finalize_vec<T, false>(p, t, elem, acc);
+        const uint4 mine = canonical<T>(pack<T>(acc));  // rounded as a pushed partial is
         float s[kVec], r[kVec];
-        sum_ranks<Cfg>(p, geo, own + slot_off + static_cast<int64_t>(local) * N * H + elem, H,
-                       waiter, s);
+        sum_ranks<Cfg, true>(p, geo, own + slot_off + static_cast<int64_t>(local) * N * H + elem,
+                             H, waiter, s, rank, mine);
         unpack<T>(res, r);
 #pragma unroll
         for (int j = 0; j < kVec; ++j) s[j] += r[j];
@@ -460,11 +482,23 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
         const int64_t off = slot_off + gather_off + t * H + elem;
         if constexpr (Cfg::kWorld != 0) {
 #pragma unroll
-          for (int q = 0; q < Cfg::kWorld; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
+          for (int q = 0; q < Cfg::kWorld; ++q) {
+            if (q != rank) st_push(static_cast<T*>(p.buffers[q]) + off, out);
+          }
         } else {
-          for (int q = 0; q < N; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
+          for (int q = 0; q < N; ++q) {
+            if (q != rank) st_push(static_cast<T*>(p.buffers[q]) + off, out);
+          }
         }
+        row.rv[i] = out;
+        st_vec(static_cast<T*>(p.residual_out) + t * H + elem, out);
+        float f[kVec];
+        unpack<T>(out, f);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) sq = fmaf(f[j], f[j], sq);
       }
+      const float total = row_sum_squares<Cfg>(sq, geo, red);
+      write_norm<Cfg>(p, geo, t, row, total, valid, red);
     }
   }
 
@@ -475,6 +509,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
   // the norm instead of following them.
   uint32_t arrivals_seen = 0;
   for (int w = geo.cluster_id; w < units; w += geo.num_clusters) {
+    if (!kOneShot && w / items.chunks == rank) continue;  // two-shot: own tokens done in phase 2
     int t_, owner, local;
     const bool valid = unit_token(w, t_, owner, local);
     const int64_t t = t_;
