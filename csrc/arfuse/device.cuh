@@ -345,11 +345,15 @@ __device__ __forceinline__ float load_weight(const void* base, bool is_f32, int6
 // ---------------------------------------------------------------------------------------------
 // kPrefetchShared: the one-shot kernel's choice (its finalize is on the critical path of every
 // small-T call); the two-shot instances at 7168 spill more with the prefetch's address live.
-template <typename T, bool kPrefetchShared = false>
+// kGroup: expert rows loaded together (kGroup uint4 in flight per thread). 8 everywhere but in
+// two-shot phase 2, where the owner's finalize shares its registers with the polls and the norm:
+// there 8 took the unbound two-shot instances from 72-80 registers to 95-128 (4096: 3 -> 2 blocks
+// per SM) and the bound ones from 20-140 to 164-184 bytes spilled; 4 keeps them at 71-79 and
+// 0-20 (ptxas -v, dd07534 vs its successor).
+template <typename T, bool kPrefetchShared = false, int kGroup = 8>
 __device__ __forceinline__ void finalize_vec(const LaunchParams& p, int64_t t, int64_t elem,
                                              float (&acc)[Elem<T>::kVec]) {
   constexpr int kVec = Elem<T>::kVec;
-  constexpr int kGroup = 8;
   const T* rows = static_cast<const T*>(p.expert_out);
   const int64_t H = p.hidden;
   const int K = p.top_k;

@@ -469,7 +469,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
                               ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
                               : make_uint4(0, 0, 0, 0);
         float acc[kVec];
-        finalize_vec<T, false>(p, t, elem, acc);
+        finalize_vec<T, false, 4>(p, t, elem, acc);  // 4 rows at a time: see finalize_vec
         const uint4 mine = canonical<T>(pack<T>(acc));  // rounded as a pushed partial is
         float s[kVec], r[kVec];
         sum_ranks<Cfg, true>(p, geo, own + slot_off + static_cast<int64_t>(local) * N * H + elem,
