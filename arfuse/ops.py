@@ -174,8 +174,8 @@ def instance_for(dtype, hidden: int, world_size: int, algorithm: str = "oneshot"
                  output: str = "norm", num_tokens: int | None = None) -> str | None:
     """Name of the kernel instance that serves this combination (specialised or generic), or None.
     output: "norm", "fp8_static", "fp8_token" or "fp8_group128". num_tokens: the instance a call
-    of that many tokens runs (a token split, variants/tuning.yaml min_blocks_splits, serves the
-    smaller token counts with its twin); None: the one that serves every token count."""
+    of that many tokens runs (a token split, variants/tuning.yaml min_blocks_splits or
+    buffered_splits, serves the smaller token counts with its twin); None: the one that serves every token count."""
     _lib.require()
     algo = _algorithm(algorithm)
     if algo == 0:

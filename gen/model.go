@@ -354,15 +354,17 @@ func intsText(v []int) string {
 }
 
 // Tuning is variants/tuning.yaml: the measured one-shot/two-shot crossovers and where they were
-// measured, and the measured token splits of instances built for a blocks-per-SM bound.
+// measured, the measured token splits of instances built for a blocks-per-SM bound, and those of
+// two-shot instances whose mid-T twin goes through the owner's own buffer.
 type Tuning struct {
-	File    string
-	Card    string
-	Date    string
-	Commit  string
-	Command string
-	Rows    []Threshold
-	Splits  SplitTable
+	File     string
+	Card     string
+	Date     string
+	Commit   string
+	Command  string
+	Rows     []Threshold
+	Splits   SplitTable // min_blocks_splits: MaxTokens is unbound_max_tokens
+	Buffered SplitTable // buffered_splits: MaxTokens is buffered_max_tokens
 }
 
 // Provenance says where a table of measured rows was measured: card, date, commit, command.
@@ -370,22 +372,23 @@ type Provenance struct {
 	Card, Date, Commit, Command string
 }
 
-// SplitTable is the min_blocks_splits section of the tuning file: its own provenance (an A/B of
-// the same instance built with and without its bound) and its rows.
+// SplitTable is a token-split section of the tuning file (min_blocks_splits, buffered_splits): its
+// own provenance (the measurement of the instance and its twin) and its rows.
 type SplitTable struct {
 	Provenance
 	Rows []Split
 }
 
-// Split is one measured row: the specialised instance (DType, Hidden, World, Algo, Out), whose
-// plan asks for a blocks-per-SM bound, also gets a twin built without the bound (ptxas's own
-// register choice), and the dispatch runs the twin for T <= UnboundMaxTokens.
+// Split is one measured row: the specialised instance (DType, Hidden, World, Algo, Out) also gets
+// a twin, and the dispatch runs the twin for T <= MaxTokens. min_blocks_splits: the twin is built
+// without the plan's blocks-per-SM bound (ptxas's own register choice); buffered_splits: the
+// two-shot twin sends the owner's own tokens through its own buffer (gen/plan.go splitByTokens).
 type Split struct {
 	RowAxes
-	Algo             *Algo
-	Out              *OutKind
-	UnboundMaxTokens int
-	At               Where // the row
+	Algo      *Algo
+	Out       *OutKind
+	MaxTokens int
+	At        Where // the row
 }
 
 // RowAxes are the dtype, hidden size and world size every measured row names.
@@ -418,7 +421,7 @@ func loadTuning(path string) (*Tuning, error) {
 	}
 	header := []string{"card", "date", "commit", "command"}
 	keys := append(slices.Clone(header), "thresholds")
-	top, err := d.fields(root, "", append(slices.Clone(keys), "min_blocks_splits"), keys)
+	top, err := d.fields(root, "", append(slices.Clone(keys), "min_blocks_splits", "buffered_splits"), keys)
 	if err != nil {
 		return nil, err
 	}
@@ -471,16 +474,21 @@ func loadTuning(path string) (*Tuning, error) {
 		t.Rows = append(t.Rows, r)
 	}
 	if n, ok := top["min_blocks_splits"]; ok {
-		if t.Splits, err = d.splitTable(n, "min_blocks_splits"); err != nil {
+		if t.Splits, err = d.splitTable(n, "min_blocks_splits", "unbound_max_tokens"); err != nil {
+			return nil, err
+		}
+	}
+	if n, ok := top["buffered_splits"]; ok {
+		if t.Buffered, err = d.splitTable(n, "buffered_splits", "buffered_max_tokens"); err != nil {
 			return nil, err
 		}
 	}
 	return t, nil
 }
 
-// splitTable reads the min_blocks_splits section: a provenance header (required, as the rows
-// are measured) and its rows.
-func (d *doc) splitTable(n *yaml.Node, path string) (SplitTable, error) {
+// splitTable reads a token-split section (path: its key) whose rows give the twin's largest T
+// in the field tokensKey: a provenance header (required, as the rows are measured) and its rows.
+func (d *doc) splitTable(n *yaml.Node, path, tokensKey string) (SplitTable, error) {
 	var t SplitTable
 	header := []string{"card", "date", "commit", "command"}
 	keys := append(slices.Clone(header), "rows")
@@ -507,7 +515,7 @@ func (d *doc) splitTable(n *yaml.Node, path string) (SplitTable, error) {
 	if err != nil {
 		return t, err
 	}
-	rowKeys := []string{"dtype", "hidden", "world_size", "algorithm", "out", "unbound_max_tokens"}
+	rowKeys := []string{"dtype", "hidden", "world_size", "algorithm", "out", tokensKey}
 	for i, it := range items {
 		p := index(join(path, "rows"), i)
 		rf, err := d.fields(it, p, rowKeys, rowKeys)
@@ -531,11 +539,11 @@ func (d *doc) splitTable(n *yaml.Node, path string) (SplitTable, error) {
 		if r.Out = outKindByName(name); r.Out == nil {
 			return t, d.errAt(resolve(rf["out"]), join(p, "out"), "unknown output kind (want one of %s)", strings.Join(namesOf(outKinds), ", "))
 		}
-		if r.UnboundMaxTokens, err = d.integer(rf["unbound_max_tokens"], join(p, "unbound_max_tokens")); err != nil {
+		if r.MaxTokens, err = d.integer(rf[tokensKey], join(p, tokensKey)); err != nil {
 			return t, err
 		}
-		if r.UnboundMaxTokens <= 0 {
-			return t, d.errAt(resolve(rf["unbound_max_tokens"]), join(p, "unbound_max_tokens"), "token count must be positive")
+		if r.MaxTokens <= 0 {
+			return t, d.errAt(resolve(rf[tokensKey]), join(p, tokensKey), "token count must be positive")
 		}
 		for j, o := range t.Rows {
 			if o.DType == r.DType && o.Hidden == r.Hidden && o.World == r.World && o.Algo == r.Algo && o.Out == r.Out {

@@ -225,10 +225,11 @@ thresholds:
 	}
 	head := "card: c\ndate: \"2025-01-31\"\ncommit: 0123456\ncommand: bench\n"
 	split := "thresholds: []\nmin_blocks_splits:\n  card: c\n  date: \"2025-01-31\"\n  commit: 0123456\n  command: x\n  rows:\n"
+	buffered := "thresholds: []\nbuffered_splits:\n  card: c\n  date: \"2025-01-31\"\n  commit: 0123456\n  command: x\n  rows:\n"
 	cases := []struct{ text, want string }{
 		{"card: \"\"\ndate: \"\"\ncommit: \"\"\ncommand: \"\"\nthresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 1}\n",
 			`:1: card: "": required once thresholds has rows (say where they were measured)`},
-		{head + "thresholds: []\nextra: 1\n", `:6: extra: unknown key (want one of card, date, commit, command, thresholds, min_blocks_splits)`},
+		{head + "thresholds: []\nextra: 1\n", `:6: extra: unknown key (want one of card, date, commit, command, thresholds, min_blocks_splits, buffered_splits)`},
 		{"card: c\ndate: \"2025\"\ncommit: 0123456\ncommand: bench\nthresholds: []\n", `:2: date: "2025": want YYYY-MM-DD`},
 		{"card: c\ndate: 2025-01-31\ncommit: main\ncommand: bench\nthresholds: []\n", `:3: commit: "main": want a git commit hash (7 to 40 lower-case hex digits)`},
 		{"card: [c]\ndate: 2025-01-31\ncommit: 0123456\ncommand: bench\nthresholds: []\n", `:1: card: want a string, got a list`},
@@ -257,6 +258,20 @@ thresholds:
 		{head + split + "    - {dtype: bf16, hidden: 2880, world_size: 2, algorithm: twoshot, out: fp8_group128, unbound_max_tokens: 256}\n", `:12: min_blocks_splits.rows[0].hidden: 2880: fp8_group128 needs a hidden size that is a multiple of 128 (one FP8 scale per group of 128 elements)`},
 		{head + split + "    - {dtype: bf16, hidden: 7168, world_size: 8, algorithm: oneshot, out: norm, unbound_max_tokens: 16}\n",
 			`:12: min_blocks_splits.rows[0]: the plan of arfuse_bf16_h7168_w8_oneshot_norm asks for no blocks-per-SM bound: there is no unbound twin to build (plan.go: twoShotMinBlocks, minBlocksAbove)`},
+		// The buffered splits (buffered_splits): two-shot only, below any unbound twin's range.
+		{head + buffered + "    - {dtype: bf16, hidden: 4096, world_size: 2, algorithm: twoshot, out: norm, unbound_max_tokens: 64}\n",
+			`:12: buffered_splits.rows[0].unbound_max_tokens: unknown key (want one of dtype, hidden, world_size, algorithm, out, buffered_max_tokens)`},
+		{head + buffered + "    - {dtype: bf16, hidden: 4096, world_size: 2, algorithm: twoshot, out: norm, buffered_max_tokens: -1}\n",
+			`:12: buffered_splits.rows[0].buffered_max_tokens: -1: token count must be positive`},
+		{head + buffered + "    - {dtype: bf16, hidden: 4096, world_size: 2, algorithm: oneshot, out: norm, buffered_max_tokens: 64}\n",
+			`:12: buffered_splits.rows[0]: algorithm oneshot has no owner: a buffered twin is two-shot's (the owner's own tokens through its own buffer)`},
+		{head + buffered + "    - {dtype: bf16, hidden: 4100, world_size: 2, algorithm: twoshot, out: norm, buffered_max_tokens: 64}\n",
+			`:12: buffered_splits.rows[0].hidden: 4100: hidden size not a multiple of the bf16 vector width 8 (16-byte vectors)`},
+		{head + "thresholds: []\nmin_blocks_splits:\n  card: c\n  date: \"2025-01-31\"\n  commit: 0123456\n  command: x\n  rows:\n" +
+			"    - {dtype: bf16, hidden: 4096, world_size: 8, algorithm: twoshot, out: norm, unbound_max_tokens: 32}\n" +
+			"buffered_splits:\n  card: c\n  date: \"2025-01-31\"\n  commit: 0123456\n  command: x\n  rows:\n" +
+			"    - {dtype: bf16, hidden: 4096, world_size: 8, algorithm: twoshot, out: norm, buffered_max_tokens: 64}\n",
+			`:19: buffered_splits.rows[0]: buffered_max_tokens 64 is above the unbound twin's 32 (min_blocks_splits): the buffered twin must serve the lowest token counts`},
 	}
 	for _, c := range cases {
 		// Parsed by the model, the hidden size checked by the plan.

@@ -44,6 +44,10 @@ type Variant struct {
 	// MaxTokens: 0, the instance serves every token count; else it is a token split's twin
 	// (splitByTokens), served for T <= MaxTokens, its sibling above.
 	MaxTokens int
+	// Buffered: a two-shot twin of buffered_splits, whose owner sends its own tokens' partials and
+	// gathered rows through its own buffer (the two-shot of before 3f9a5cd) instead of keeping
+	// them in registers (KernelConfig::kOwnInRegs, csrc/arfuse/kernel.cuh).
+	Buffered bool
 }
 
 // variantName is the one name of a variant: file name, symbol, dispatch key and --only key.
@@ -446,16 +450,51 @@ func checkTuning(t *Tuning) error {
 				variantName(r.DType, r.Hidden, r.World, r.Algo, r.Out))
 		}
 	}
+	for _, r := range t.Buffered.Rows {
+		if r.Algo.Name != "twoshot" {
+			return r.At.Errorf("algorithm %s has no owner: a buffered twin is two-shot's (the owner's own tokens through its own buffer)", r.Algo.Name)
+		}
+		if rule := worldRule(r.Algo, r.World); rule != "" {
+			return r.WorldAt.Errorf("%s", rule)
+		}
+		if rule := groupSizeRule(r.Hidden, r.Out); rule != "" {
+			return r.HiddenAt.Errorf("%s", rule)
+		}
+		p, err := planSpecialised(r.DType, r.Hidden, r.Algo)
+		if err != nil {
+			return r.HiddenAt.Errorf("%s", err)
+		}
+		if rule := groupPlanRule(r.DType, r.Algo, r.Out, p); rule != "" {
+			return r.HiddenAt.Errorf("%s", rule)
+		}
+		// The buffered twin serves the lowest token counts: where the same instance also has an
+		// unbound twin, that twin must serve at least as far (the buffered twin is then built
+		// unbound too, as the dispatch ran that range before).
+		for _, u := range t.Splits.Rows {
+			if u.DType == r.DType && u.Hidden == r.Hidden && u.World == r.World && u.Algo == r.Algo &&
+				u.Out == r.Out && u.MaxTokens < r.MaxTokens {
+				return r.At.Errorf("buffered_max_tokens %d is above the unbound twin's %d (min_blocks_splits): the buffered twin must serve the lowest token counts",
+					r.MaxTokens, u.MaxTokens)
+			}
+		}
+	}
 	return nil
 }
 
 // splitByTokens adds, for every token-split row of the tuning file whose instance the matrix
-// builds, that instance's twin: the same plan without the blocks-per-SM bound (ptxas's own
-// register choice), served for T <= the row's unbound_max_tokens. A bound that buys occupancy
-// with spills pays where T is large enough to fill the GPU and costs where it is not: the
-// 256-thread two-shot plan at H = 4096 (twoShotMinBlocks) is 7-10 % faster at T >= 1024 with
-// it and up to 8 % slower at mid T (kernel-ab-187a843, docs/performance.md); the dispatch table
-// (csrc/dispatch.cpp find_instance) picks by T.
+// builds, that instance's twin, served for T <= the row's token count (the dispatch table,
+// csrc/dispatch.cpp find_instance, runs the twin with the smallest such count that covers T):
+//
+//   - min_blocks_splits: the same plan without the blocks-per-SM bound (ptxas's own register
+//     choice). A bound that buys occupancy with spills pays where T is large enough to fill the
+//     GPU and costs where it is not: the 256-thread two-shot plan at H = 4096 (twoShotMinBlocks)
+//     is 7-10 % faster at T >= 1024 with it and up to 8 % slower at mid T (kernel-ab-187a843,
+//     docs/performance.md).
+//   - buffered_splits: the two-shot whose owner sends its own tokens through its own buffer
+//     (Variant.Buffered). Keeping them in registers (3f9a5cd) moved T >= 256 5-23 % faster and
+//     T = 16-64 at world sizes 4 and 8 up to 25 % slower (docs/perf/h100-3f9a5cd). Where the
+//     instance also has an unbound twin, the buffered one is unbound too (that range ran unbound);
+//     where both name the same token count, the unbound twin becomes the buffered one.
 func splitByTokens(variants []*Variant, t *Tuning) []*Variant {
 	out := slices.Clone(variants)
 	for _, r := range t.Splits.Rows {
@@ -465,10 +504,32 @@ func splitByTokens(variants []*Variant, t *Tuning) []*Variant {
 			continue // the matrix does not build this instance
 		}
 		twin := *variants[i]
-		twin.Name = twinName(name, r.UnboundMaxTokens)
+		twin.Name = twinName(name, r.MaxTokens)
 		twin.Models = slices.Clone(twin.Models)
 		twin.Plan.MinBlocksPerSM = 0
-		twin.MaxTokens = r.UnboundMaxTokens
+		twin.MaxTokens = r.MaxTokens
+		out = append(out, &twin)
+	}
+	for _, r := range t.Buffered.Rows {
+		name := variantName(r.DType, r.Hidden, r.World, r.Algo, r.Out)
+		i := slices.IndexFunc(variants, func(v *Variant) bool { return v.Name == name })
+		if i < 0 {
+			continue
+		}
+		if j := slices.IndexFunc(out, func(v *Variant) bool { return v.Name == twinName(name, r.MaxTokens) }); j >= 0 {
+			out[j].Buffered = true // the unbound twin of the same range
+			continue
+		}
+		twin := *variants[i]
+		twin.Name = twinName(name, r.MaxTokens)
+		twin.Models = slices.Clone(twin.Models)
+		twin.MaxTokens = r.MaxTokens
+		twin.Buffered = true
+		for _, u := range t.Splits.Rows {
+			if variantName(u.DType, u.Hidden, u.World, u.Algo, u.Out) == name {
+				twin.Plan.MinBlocksPerSM = 0 // checkTuning: the unbound twin serves this range too
+			}
+		}
 		out = append(out, &twin)
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })

@@ -177,3 +177,55 @@ generic: true
 		}
 	}
 }
+
+// splitByTokens: the unbound twins of min_blocks_splits and the buffered twins of buffered_splits.
+// A buffered twin is built unbound where the instance has an unbound twin (that range ran
+// unbound), with the plan's own bound where it has none, and where both name the same token count
+// the unbound twin becomes the buffered one (one instance, not two of one name).
+func TestSplitByTokensBuffered(t *testing.T) {
+	bf16, two := dtypeByName("bf16"), algoByName("twoshot")
+	norm := outKindByName("norm")
+	variant := func(hidden, world int) *Variant {
+		p, err := planSpecialised(bf16, hidden, two)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &Variant{Name: variantName(bf16, hidden, world, two, norm), DType: bf16, Hidden: hidden,
+			World: world, Algo: two, Out: norm, Plan: p}
+	}
+	row := func(hidden, world, max int) Split {
+		return Split{RowAxes: RowAxes{DType: bf16, Hidden: hidden, World: world}, Algo: two, Out: norm, MaxTokens: max}
+	}
+	tu := &Tuning{
+		Splits:   SplitTable{Rows: []Split{row(4096, 2, 256), row(4096, 8, 64)}},
+		Buffered: SplitTable{Rows: []Split{row(4096, 2, 64), row(4096, 8, 64), row(7168, 8, 64), row(2048, 4, 64)}},
+	}
+	got := splitByTokens([]*Variant{variant(4096, 2), variant(4096, 8), variant(7168, 8)}, tu)
+	type want struct {
+		max, minBlocks int
+		buffered       bool
+	}
+	wants := map[string]want{
+		"arfuse_bf16_h4096_w2_twoshot_norm":         {0, 4, false},
+		"arfuse_bf16_h4096_w2_twoshot_norm_upto256": {256, 0, false},
+		"arfuse_bf16_h4096_w2_twoshot_norm_upto64":  {64, 0, true}, // unbound: the upto256 twin ran there
+		"arfuse_bf16_h4096_w8_twoshot_norm":         {0, 4, false},
+		"arfuse_bf16_h4096_w8_twoshot_norm_upto64":  {64, 0, true}, // the unbound twin, now buffered
+		"arfuse_bf16_h7168_w8_twoshot_norm":         {0, 2, false},
+		"arfuse_bf16_h7168_w8_twoshot_norm_upto64":  {64, 2, true}, // no unbound twin: the plan's bound
+	} // 2048 N = 4 is not in the matrix: no twin
+	if len(got) != len(wants) {
+		t.Fatalf("%d variants, want %d", len(got), len(wants))
+	}
+	for _, v := range got {
+		w, ok := wants[v.Name]
+		if !ok {
+			t.Errorf("unexpected variant %s", v.Name)
+			continue
+		}
+		if v.MaxTokens != w.max || v.Plan.MinBlocksPerSM != w.minBlocks || v.Buffered != w.buffered {
+			t.Errorf("%s: max_tokens %d, min_blocks %d, buffered %v; want %d, %d, %v",
+				v.Name, v.MaxTokens, v.Plan.MinBlocksPerSM, v.Buffered, w.max, w.minBlocks, w.buffered)
+		}
+	}
+}

@@ -185,6 +185,7 @@ type manifestJSON struct {
 
 type manifestVariant struct {
 	Algorithm string       `json:"algorithm"`
+	Buffered  bool         `json:"buffered"` // a two-shot twin of buffered_splits (own tokens via the buffer)
 	DType     string       `json:"dtype"`
 	Generic   bool         `json:"generic"`
 	Hidden    int          `json:"hidden"`
@@ -212,6 +213,7 @@ type manifestPlan struct {
 }
 
 type manifestTuning struct {
+	BufferedSplits  manifestSplitTable  `json:"buffered_splits"`
 	Card            string              `json:"card"`
 	Command         string              `json:"command"`
 	Commit          string              `json:"commit"`
@@ -230,12 +232,13 @@ type manifestSplitTable struct {
 }
 
 type manifestSplit struct {
-	Algorithm        string `json:"algorithm"`
-	DType            string `json:"dtype"`
-	Hidden           int    `json:"hidden"`
-	Output           string `json:"output"`
-	UnboundMaxTokens int    `json:"unbound_max_tokens"`
-	WorldSize        int    `json:"world_size"`
+	Algorithm         string `json:"algorithm"`
+	DType             string `json:"dtype"`
+	Hidden            int    `json:"hidden"`
+	Output            string `json:"output"`
+	UnboundMaxTokens  int    `json:"unbound_max_tokens,omitempty"`  // min_blocks_splits
+	BufferedMaxTokens int    `json:"buffered_max_tokens,omitempty"` // buffered_splits
+	WorldSize         int    `json:"world_size"`
 }
 
 type manifestThreshold struct {
@@ -263,13 +266,17 @@ func renderManifest(g *Gen) ([]byte, error) {
 				Card: g.Tuning.Splits.Card, Command: g.Tuning.Splits.Command,
 				Commit: g.Tuning.Splits.Commit, Date: g.Tuning.Splits.Date, Rows: []manifestSplit{},
 			},
+			BufferedSplits: manifestSplitTable{
+				Card: g.Tuning.Buffered.Card, Command: g.Tuning.Buffered.Command,
+				Commit: g.Tuning.Buffered.Commit, Date: g.Tuning.Buffered.Date, Rows: []manifestSplit{},
+			},
 		},
 	}
 	for _, v := range g.Variants {
 		p := v.Plan
 		m.Instances = append(m.Instances, manifestVariant{
 			Algorithm: v.Algo.Name, DType: v.DType.Name, Generic: v.Generic, Hidden: v.Hidden,
-			MaxTokens: v.MaxTokens, Models: append([]string{}, v.Models...), Name: v.Name, Output: v.Out.Name,
+			MaxTokens: v.MaxTokens, Buffered: v.Buffered, Models: append([]string{}, v.Models...), Name: v.Name, Output: v.Out.Name,
 			Source: "kernels/" + v.Name + ".cu", WorldSize: v.World,
 			Plan: manifestPlan{
 				BlockThreads: p.BlockThreads, Cluster: p.Cluster, MaxHidden: p.MaxHidden,
@@ -287,7 +294,13 @@ func renderManifest(g *Gen) ([]byte, error) {
 	for _, r := range g.Tuning.Splits.Rows {
 		m.Tuning.MinBlocksSplits.Rows = append(m.Tuning.MinBlocksSplits.Rows, manifestSplit{
 			Algorithm: r.Algo.Name, DType: r.DType.Name, Hidden: r.Hidden, Output: r.Out.Name,
-			UnboundMaxTokens: r.UnboundMaxTokens, WorldSize: r.World,
+			UnboundMaxTokens: r.MaxTokens, WorldSize: r.World,
+		})
+	}
+	for _, r := range g.Tuning.Buffered.Rows {
+		m.Tuning.BufferedSplits.Rows = append(m.Tuning.BufferedSplits.Rows, manifestSplit{
+			Algorithm: r.Algo.Name, DType: r.DType.Name, Hidden: r.Hidden, Output: r.Out.Name,
+			BufferedMaxTokens: r.MaxTokens, WorldSize: r.World,
 		})
 	}
 	data, err := json.MarshalIndent(m, "", "  ")

@@ -106,21 +106,32 @@ def test_specialised_instances(groups, spec):
                                weight_bias=1.0, absent=0.3, algorithm=algorithm))
 
 
-# ---- token splits: the twin without the blocks-per-SM bound up to its T, the sibling above ----
+# ---- token splits: each twin (variants/tuning.yaml min_blocks_splits: without the blocks-per-SM
+# bound; buffered_splits: the owner's own tokens through its buffer) serves the token counts from
+# the next smaller twin's limit + 1 up to its own; above the largest, the sibling ----------------
 def _token_splits():
-    return sorted((i["dtype"], i["hidden"], i["world_size"], i["algorithm"], i["max_tokens"],
-                   i["name"]) for i in _manifest_instances()
-                  if i.get("max_tokens") and i.get("output") == "norm")
+    insts = [i for i in _manifest_instances() if i.get("max_tokens") and i.get("output") == "norm"]
+    out = []
+    for i in insts:
+        key = (i["dtype"], i["hidden"], i["world_size"], i["algorithm"])
+        limits = sorted(j["max_tokens"] for j in insts
+                        if (j["dtype"], j["hidden"], j["world_size"], j["algorithm"]) == key)
+        lo = max([m for m in limits if m < i["max_tokens"]], default=0) + 1
+        above = [j["name"] for j in insts if (j["dtype"], j["hidden"], j["world_size"],
+                                                j["algorithm"]) == key and j["max_tokens"] > i["max_tokens"]]
+        nxt = min(above, key=lambda n: int(n.rsplit("_upto", 1)[1])) if above \
+            else i["name"].rsplit("_upto", 1)[0]
+        out.append(key + (lo, i["max_tokens"], i["name"], nxt))
+    return sorted(out)
 
 
-@pytest.mark.parametrize("split", _token_splits(), ids=lambda s: s[5])
+@pytest.mark.parametrize("split", _token_splits(), ids=lambda s: s[6])
 @pytest.mark.parametrize("algorithm", ["named", "auto"])
 def test_token_split_twins(groups, split, algorithm):
-    d, hidden, world, algo, limit, twin = split
+    d, hidden, world, algo, lo, limit, twin, above = split
     dtype = DTYPES[d]
-    sibling = twin.rsplit("_upto", 1)[0]
     big = lambda w, h, dt: groups(w, h, dt, max_tokens=limit + 1)  # noqa: E731
-    for tokens, name in ((1, twin), (limit, twin), (limit + 1, sibling)):
+    for tokens, name in ((lo, twin), (limit, twin), (limit + 1, above)):
         assert arfuse.instance_for(dtype, hidden, world, algo, num_tokens=tokens) == name
         run_and_check(big, Case(world, hidden, dtype, tokens, "permuted", 8, "f32", True, 2.5,
                                 absent=0.2, algorithm=algo if algorithm == "named" else "auto"))

@@ -51,6 +51,11 @@ struct KernelConfig {
   // Blocks per SM the register allocation must leave room for (__launch_bounds__'s second
   // argument); 0: none asked (ptxas's choice). Decided by the plan (gen/plan.go).
   static constexpr int kMinBlocks = kMinBlocks_;
+  // Two-shot: the owner keeps its own tokens' partials and gathered rows in registers (phase 2
+  // finalizes them) instead of a round trip through its own buffer. A config derived from this
+  // one may set it false: the token split's twin of variants/tuning.yaml buffered_splits
+  // (gen/plan.go splitByTokens), the two-shot of before 3f9a5cd, which measured faster at mid T.
+  static constexpr bool kOwnInRegs = kAlgo_ == Algo::kTwoShot;
   static constexpr int kVec = Elem<T>::kVec;
   static constexpr bool kGeneric = kHidden == 0;
   static constexpr int kBlockThreads = kGeneric ? 512 : kTpt * kTpb;  // launch bound
@@ -419,7 +424,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
   // other ranks; this rank's own tokens are finalized in phase 2, their partials never leave the
   // registers) ----
   for (int w = geo.cluster_id; w < units; w += geo.num_clusters) {
-    if (!kOneShot && w / items.chunks == rank) continue;  // uniform: an item has one owner
+    if (Cfg::kOwnInRegs && w / items.chunks == rank) continue;  // uniform: one owner per item
     int t, owner, local;
     if (!unit_token(w, t, owner, local)) continue;
 #pragma unroll
@@ -445,7 +450,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
     }
   }
 
-  if constexpr (!kOneShot) {
+  if constexpr (Cfg::kOwnInRegs) {
     // ---- two-shot phase 2: the owner finalizes its own tokens (its items among this block's),
     // sums them with the peers' partials, adds the residual, pushes residual_out to the peers'
     // gather areas and writes both outputs itself: its own partial row and its own gather row
@@ -502,6 +507,43 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
     }
   }
 
+  if constexpr (!kOneShot && !Cfg::kOwnInRegs) {
+    // ---- two-shot phase 2 through the owner's own buffer (the buffered twin): the owner reduces
+    // its tokens (its items among this block's), its own partial among them, and all-gathers
+    // residual_out to every rank, itself included; phase 3 reads its own tokens back ----
+    const int lo = rank * items.chunks;
+    for (int w = TwoShotItems::first_at_or_after(lo, geo.cluster_id, geo.num_clusters);
+         w < lo + items.chunks; w += geo.num_clusters) {
+      int t_, owner, local;
+      if (!unit_token(w, t_, owner, local)) continue;
+      const int64_t t = t_;
+#pragma unroll
+      for (int i = 0; i < kVpt; ++i) {
+        const int v = geo.vec(i);
+        if (v < 0) continue;
+        const int64_t elem = static_cast<int64_t>(v) * kVec;
+        const uint4 res = p.residual != nullptr
+                              ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
+                              : make_uint4(0, 0, 0, 0);
+        float s[kVec], r[kVec];
+        sum_ranks<Cfg>(p, geo, own + slot_off + static_cast<int64_t>(local) * N * H + elem, H,
+                       waiter, s);
+        unpack<T>(res, r);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) s[j] += r[j];
+        uint4 out = canonical<T>(pack<T>(s));
+        if (waiter.gave_up) out = nan_vec<T>();
+        const int64_t off = slot_off + gather_off + t * H + elem;
+        if constexpr (Cfg::kWorld != 0) {
+#pragma unroll
+          for (int q = 0; q < Cfg::kWorld; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
+        } else {
+          for (int q = 0; q < N; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
+        }
+      }
+    }
+  }
+
   // ---- last phase: residual_out and RMSNorm for every token ----
   // One-shot, block 0: the arrivals counted so far, read on its last work unit once its polls
   // are done (by then every block of this rank has long pushed and arrived, so this is usually
@@ -509,7 +551,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
   // the norm instead of following them.
   uint32_t arrivals_seen = 0;
   for (int w = geo.cluster_id; w < units; w += geo.num_clusters) {
-    if (!kOneShot && w / items.chunks == rank) continue;  // two-shot: own tokens done in phase 2
+    if (Cfg::kOwnInRegs && w / items.chunks == rank) continue;  // own tokens: done in phase 2
     int t_, owner, local;
     const bool valid = unit_token(w, t_, owner, local);
     const int64_t t = t_;
