@@ -432,18 +432,9 @@ func checkTuning(t *Tuning) error {
 		}
 	}
 	for _, r := range t.Splits.Rows {
-		if rule := worldRule(r.Algo, r.World); rule != "" {
-			return r.WorldAt.Errorf("%s", rule)
-		}
-		if rule := groupSizeRule(r.Hidden, r.Out); rule != "" {
-			return r.HiddenAt.Errorf("%s", rule)
-		}
-		p, err := planSpecialised(r.DType, r.Hidden, r.Algo)
+		p, err := splitPlan(r)
 		if err != nil {
-			return r.HiddenAt.Errorf("%s", err)
-		}
-		if rule := groupPlanRule(r.DType, r.Algo, r.Out, p); rule != "" {
-			return r.HiddenAt.Errorf("%s", rule)
+			return err
 		}
 		if p.MinBlocksPerSM == 0 {
 			return r.At.Errorf("the plan of %s asks for no blocks-per-SM bound: there is no unbound twin to build (plan.go: twoShotMinBlocks, minBlocksAbove)",
@@ -454,18 +445,8 @@ func checkTuning(t *Tuning) error {
 		if r.Algo.Name != "twoshot" {
 			return r.At.Errorf("algorithm %s has no owner: a buffered twin is two-shot's (the owner's own tokens through its own buffer)", r.Algo.Name)
 		}
-		if rule := worldRule(r.Algo, r.World); rule != "" {
-			return r.WorldAt.Errorf("%s", rule)
-		}
-		if rule := groupSizeRule(r.Hidden, r.Out); rule != "" {
-			return r.HiddenAt.Errorf("%s", rule)
-		}
-		p, err := planSpecialised(r.DType, r.Hidden, r.Algo)
-		if err != nil {
-			return r.HiddenAt.Errorf("%s", err)
-		}
-		if rule := groupPlanRule(r.DType, r.Algo, r.Out, p); rule != "" {
-			return r.HiddenAt.Errorf("%s", rule)
+		if _, err := splitPlan(r); err != nil {
+			return err
 		}
 		// The buffered twin serves the lowest token counts: where the same instance also has an
 		// unbound twin, that twin must serve at least as far (the buffered twin is then built
@@ -479,6 +460,25 @@ func checkTuning(t *Tuning) error {
 		}
 	}
 	return nil
+}
+
+// splitPlan is the plan of a token-split row's instance, or why the plan cannot build it (at the
+// row's world size or hidden size).
+func splitPlan(r Split) (Plan, error) {
+	if rule := worldRule(r.Algo, r.World); rule != "" {
+		return Plan{}, r.WorldAt.Errorf("%s", rule)
+	}
+	if rule := groupSizeRule(r.Hidden, r.Out); rule != "" {
+		return Plan{}, r.HiddenAt.Errorf("%s", rule)
+	}
+	p, err := planSpecialised(r.DType, r.Hidden, r.Algo)
+	if err != nil {
+		return Plan{}, r.HiddenAt.Errorf("%s", err)
+	}
+	if rule := groupPlanRule(r.DType, r.Algo, r.Out, p); rule != "" {
+		return Plan{}, r.HiddenAt.Errorf("%s", rule)
+	}
+	return p, nil
 }
 
 // splitByTokens adds, for every token-split row of the tuning file whose instance the matrix
