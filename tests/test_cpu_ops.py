@@ -55,28 +55,49 @@ def test_dispatch_prefers_specialised_then_generic(lib, manifest):
 
 
 def test_token_splits_pick_the_twin_up_to_its_token_count(lib, manifest):
-    # variants/tuning.yaml min_blocks_splits: an instance whose plan asks for a blocks-per-SM
-    # bound also has a twin built without it, which the dispatch runs for T <= max_tokens.
+    # variants/tuning.yaml: min_blocks_splits (a twin built without the plan's blocks-per-SM bound)
+    # and buffered_splits (a two-shot twin whose owner sends its own tokens through its buffer).
+    # The dispatch runs the twin with the smallest max_tokens that covers T, the sibling above.
     twins = [i for i in manifest["instances"] if i["max_tokens"]]
     assert twins, "the CI matrix builds a token split (variants/ci.yaml)"
+    assert any(i["buffered"] for i in twins) and any(not i["buffered"] for i in twins)
     by_name = {i["name"]: i for i in manifest["instances"]}
+    tuning = manifest["tuning"]
     for twin in twins:
         sibling = by_name[twin["name"].rsplit("_upto", 1)[0]]
-        assert sibling["max_tokens"] == 0 and sibling["plan"]["min_blocks_per_sm"] > 0
-        assert twin["plan"]["min_blocks_per_sm"] == 0
+        assert sibling["max_tokens"] == 0 and not sibling["buffered"]
         assert {k: v for k, v in twin["plan"].items() if k != "min_blocks_per_sm"} == \
             {k: v for k, v in sibling["plan"].items() if k != "min_blocks_per_sm"}
         axes = (twin["dtype"], twin["hidden"], twin["world_size"], twin["algorithm"], twin["output"])
+        row = {"dtype": twin["dtype"], "hidden": twin["hidden"], "world_size": twin["world_size"],
+               "algorithm": twin["algorithm"], "output": twin["output"]}
         limit = twin["max_tokens"]
-        for t in (0, 1, limit // 2, limit):
+        unbound = [r["unbound_max_tokens"] for r in tuning["min_blocks_splits"]["rows"]
+                   if {k: r[k] for k in row} == row]
+        if twin["buffered"]:
+            assert twin["algorithm"] == "twoshot"
+            assert dict(row, buffered_max_tokens=limit) in tuning["buffered_splits"]["rows"]
+            # unbound where the instance has an unbound twin (that range ran unbound), else the
+            # plan's own bound
+            assert twin["plan"]["min_blocks_per_sm"] == \
+                (0 if unbound else sibling["plan"]["min_blocks_per_sm"])
+        else:
+            assert sibling["plan"]["min_blocks_per_sm"] > 0 and twin["plan"]["min_blocks_per_sm"] == 0
+            assert limit in unbound
+        # its range: from the next smaller twin's limit + 1 up to its own; above, the next twin
+        others = sorted(i["max_tokens"] for i in twins if i is not twin and
+                        (i["dtype"], i["hidden"], i["world_size"], i["algorithm"], i["output"]) == axes)
+        lo = max([m for m in others if m < limit], default=0) + 1
+        above = [by_name[n]["name"] for n in by_name if by_name[n] in twins and
+                 (by_name[n]["dtype"], by_name[n]["hidden"], by_name[n]["world_size"],
+                  by_name[n]["algorithm"], by_name[n]["output"]) == axes and
+                 by_name[n]["max_tokens"] > limit]
+        nxt = min(above, key=lambda n: by_name[n]["max_tokens"]) if above else sibling["name"]
+        for t in ({0, lo, (lo + limit) // 2, limit} if lo == 1 else {lo, (lo + limit) // 2, limit}):
             assert arfuse.instance_for(*axes, num_tokens=t) == twin["name"], t
-        for t in (limit + 1, 8192):
-            assert arfuse.instance_for(*axes, num_tokens=t) == sibling["name"], t
+        assert arfuse.instance_for(*axes, num_tokens=limit + 1) == nxt
+        assert arfuse.instance_for(*axes, num_tokens=8192) == sibling["name"]
         assert arfuse.instance_for(*axes) == sibling["name"]  # every token count: the sibling
-        rows = manifest["tuning"]["min_blocks_splits"]["rows"]
-        assert {"dtype": twin["dtype"], "hidden": twin["hidden"], "world_size": twin["world_size"],
-                "algorithm": twin["algorithm"], "output": twin["output"],
-                "unbound_max_tokens": limit} in rows
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="num_tokens"):
             arfuse.instance_for(*axes, num_tokens=bad)
