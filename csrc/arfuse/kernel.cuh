@@ -321,6 +321,24 @@ __device__ __forceinline__ void write_norm(const LaunchParams& p, const Geometry
   Cfg::Out::template write<Cfg>(p, geo, t, row, inv, valid, red);
 }
 
+// Pushes one vector to element offset off of every rank's buffer (kSkipSelf: every rank but
+// this one, whose copy stays in registers). A world fixed at compile time unrolls the loop.
+template <class Cfg, bool kSkipSelf = false>
+__device__ __forceinline__ void push_to_ranks(const LaunchParams& p, int N, int rank, int64_t off,
+                                              const uint4& out) {
+  using T = typename Cfg::T;
+  if constexpr (Cfg::kWorld != 0) {
+#pragma unroll
+    for (int q = 0; q < Cfg::kWorld; ++q) {
+      if (!kSkipSelf || q != rank) st_push(static_cast<T*>(p.buffers[q]) + off, out);
+    }
+  } else {
+    for (int q = 0; q < N; ++q) {
+      if (!kSkipSelf || q != rank) st_push(static_cast<T*>(p.buffers[q]) + off, out);
+    }
+  }
+}
+
 // Sums the N partial vectors at base + n * stride (n in rank order) once every one has arrived,
 // and resets each to the sentinel right after reading it: this rank is the only reader of its
 // own buffer, so the slot is clean again when the call ends (see docs/design.md).
@@ -436,13 +454,8 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
       finalize_vec<T, kOneShot>(p, t, elem, acc);
       const uint4 out = canonical<T>(pack<T>(acc));
       if constexpr (kOneShot) {
-        const int64_t off = slot_off + (static_cast<int64_t>(t) * N + rank) * H + elem;
-        if constexpr (Cfg::kWorld != 0) {
-#pragma unroll
-          for (int q = 0; q < Cfg::kWorld; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
-        } else {
-          for (int q = 0; q < N; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
-        }
+        push_to_ranks<Cfg>(p, N, rank,
+                           slot_off + (static_cast<int64_t>(t) * N + rank) * H + elem, out);
       } else {
         const int64_t off = slot_off + (static_cast<int64_t>(local) * N + rank) * H + elem;
         st_push(static_cast<T*>(p.buffers[owner]) + off, out);
@@ -484,17 +497,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
         for (int j = 0; j < kVec; ++j) s[j] += r[j];
         uint4 out = canonical<T>(pack<T>(s));
         if (waiter.gave_up) out = nan_vec<T>();
-        const int64_t off = slot_off + gather_off + t * H + elem;
-        if constexpr (Cfg::kWorld != 0) {
-#pragma unroll
-          for (int q = 0; q < Cfg::kWorld; ++q) {
-            if (q != rank) st_push(static_cast<T*>(p.buffers[q]) + off, out);
-          }
-        } else {
-          for (int q = 0; q < N; ++q) {
-            if (q != rank) st_push(static_cast<T*>(p.buffers[q]) + off, out);
-          }
-        }
+        push_to_ranks<Cfg, true>(p, N, rank, slot_off + gather_off + t * H + elem, out);
         row.rv[i] = out;
         st_vec(static_cast<T*>(p.residual_out) + t * H + elem, out);
         float f[kVec];
@@ -533,13 +536,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
         for (int j = 0; j < kVec; ++j) s[j] += r[j];
         uint4 out = canonical<T>(pack<T>(s));
         if (waiter.gave_up) out = nan_vec<T>();
-        const int64_t off = slot_off + gather_off + t * H + elem;
-        if constexpr (Cfg::kWorld != 0) {
-#pragma unroll
-          for (int q = 0; q < Cfg::kWorld; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
-        } else {
-          for (int q = 0; q < N; ++q) st_push(static_cast<T*>(p.buffers[q]) + off, out);
-        }
+        push_to_ranks<Cfg>(p, N, rank, slot_off + gather_off + t * H + elem, out);
       }
     }
   }
