@@ -29,6 +29,9 @@
 #   PREBUILT=1        use the carried arfuse/_lib and build/ci/lib instead of building them here
 #   DEADLINE_S        seconds from the start after which no run starts and a running one is cut
 #                     (default 540)
+#   BENCH_DIR         where the runs' folders go (default build/bench, emptied first)
+#   RESUME=1          keep BENCH_DIR and skip the runs that finished there before (NAME.done): a
+#                     set longer than one call goes on in the next call on the same warm machine
 set -uo pipefail
 out=${1:?usage: scripts/gpu-session.sh OUTDIR}
 mkdir -p "$out"
@@ -37,7 +40,8 @@ deadline=${DEADLINE_S:-540}
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=32
 left() { echo $(( deadline - ($(date +%s) - start) )); }
 
-bench=build/bench; rm -rf "$bench"; mkdir -p "$bench"
+bench=${BENCH_DIR:-build/bench}; [ -n "${RESUME:-}" ] || rm -rf "$bench"; mkdir -p "$bench"
+pack_bench() { tar czf "$out/bench.tgz" -C "$(dirname "$bench")" "$(basename "$bench")"; }
 # The default build beside the CI build and the suite: the nvcc work of both overlaps.
 # PREBUILT=1: the libraries (arfuse/_lib, build/ci/lib) were built elsewhere and carried.
 if [ -n "${PREBUILT:-}" ] && [ -f arfuse/_lib/libarfuse_ops.so ]; then
@@ -62,12 +66,15 @@ export ARFUSE_LIBRARY=$PWD/arfuse/_lib/libarfuse_ops.so ARFUSE_MANIFEST=$PWD/out
 
 one_run() {  # name, then python -m arfuse.bench arguments
   local name=$1; shift
+  if [ -n "${RESUME:-}" ] && [ -f "$bench/$name.done" ]; then echo "$name: done before"; return 0; fi
   local t; t=$(left)
   [ "$t" -gt 15 ] || { echo "deadline: $name not run"; return 1; }
   timeout "$t" python3 -m arfuse.bench --emulate --dtype bf16 --layout permuted --replays 50 \
     --out "$bench/$name" "$@" ${BENCH_ARGS:-} >"$bench/$name.log" 2>&1
-  echo "$name: rc=$? at $(( $(date +%s) - start )) s: $(tail -n 1 "$bench/$name.log")"
-  tar czf "$out/bench.tgz" -C build bench   # after every run: a call cut off still returns what ran
+  local rc=$?
+  echo "$name: rc=$rc at $(( $(date +%s) - start )) s: $(tail -n 1 "$bench/$name.log")"
+  [ $rc = 0 ] && touch "$bench/$name.done"
+  pack_bench   # after every run: a call cut off still returns what ran
 }
 
 if [ -n "${BENCH_LADDER:-}" ]; then
@@ -77,7 +84,7 @@ if [ -n "${BENCH_LADDER:-}" ]; then
     timeout "$t" python3 -m arfuse.bench.ladder --model "$1" --world-size "$2" \
       --tokens "${LADDER_TOKENS:-1,2,4,8,16}" --out "$bench/ladder" >"$bench/ladder-$1-w$2.log" 2>&1
     echo "ladder $1 w$2: rc=$? at $(( $(date +%s) - start )) s"
-    tar czf "$out/bench.tgz" -C build bench
+    pack_bench
   done
 fi
 
@@ -132,5 +139,5 @@ for model in ${BENCH_MODELS-deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b gpt-oss-12
     one_run "$kind-$model-w$n" --model "$model" --world-size "$n" "${extra[@]}" || break 2
   done
 done
-tar czf "$out/bench.tgz" -C build bench
+pack_bench
 echo "gpu-session: $(( $(date +%s) - start )) s"

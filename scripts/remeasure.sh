@@ -11,9 +11,11 @@
 #           scripts/remeasure.sh c2 $OUT    the twelve tables, then --tune        -> OUT/c2.tgz, tune.tgz
 #           scripts/remeasure.sh c3 $OUT    the rest of --tune, then the A/B of the buffered twin
 #                                           against the registers-kept two-shot at T = 64…256
-#   carry ["build/remeasure"]. A call unpacks the archives once per warm machine; --tune runs
-#   already done on this warm machine (/tmp/tune/*.done) are skipped.
+#   carry ["build/remeasure"]. A call unpacks the archives once per warm machine; the --tune set
+#   (scripts/gpu-session.sh BENCH_TUNE=1 RESUME=1 in /tmp/tune) goes on where the last call on the
+#   same warm machine stopped. The libraries are of the working tree, the snapshot of HEAD.
 # Knobs: DL (the call's deadline in seconds, default 555), TUNE_DL (c3: the tune's share, 330).
+#        ARFUSE_COMMIT (the commit the results name; default git rev-parse, where the copy has .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:?usage: scripts/remeasure.sh pack | c1 OUT | c2 OUT | c3 OUT}
@@ -22,12 +24,12 @@ dir=build/remeasure
 if [ "$cmd" = pack ]; then
   set -e
   mkdir -p $dir
-  [ -f arfuse/_lib/libarfuse_ops.so ] || make
-  if [ ! -f build/ci/lib/libarfuse_ops.so ]; then
-    go run ./gen --matrix ci --out build/ci/out
-    make lib MATRIX=ci GENDIR=build/ci/out BUILD=build/ci/obj LIBDIR=build/ci/lib SKIP_GEN=1 JOBS=2
-  fi
-  if [ ! -f .snap/buf/build/ab/lib/libarfuse_ops.so ]; then
+  make lib                                    # incremental: only what changed is compiled
+  make lib MATRIX=ci GENDIR=build/ci/out BUILD=build/ci/obj LIBDIR=build/ci/lib
+  # the snapshot is rebuilt when what its library and its Python side come from changed
+  key=$(git rev-parse HEAD:csrc HEAD:templates HEAD:gen HEAD:variants HEAD:arfuse HEAD:Makefile | sha1sum)
+  if [ "$(cat .snap/buf/.remeasure-key 2>/dev/null)" != "$key" ] ||
+     [ ! -f .snap/buf/build/ab/lib/libarfuse_ops.so ]; then
     rm -rf .snap/buf && mkdir -p .snap/buf && git archive HEAD | tar x -C .snap/buf
     python3 - .snap/buf/variants/tuning.yaml <<'EOF'
 import re, sys
@@ -40,11 +42,14 @@ def row(m):
     if re.search(r"hidden:\s*4096\b", r) and re.search(r"world(_size)?:\s*[48]\b", r):
         return r
     return re.sub(r"(buffered_max_tokens:\s*)64\b", r"\g<1>256", r)
-open(p, "w").write(head + sep + re.sub(r"\{[^}]*\}", row, rest))
+new = head + sep + re.sub(r"\{[^}]*\}", row, rest)
+assert new != text, "variants/tuning.yaml: no buffered_max_tokens: 64 left to raise"
+open(p, "w").write(new)
 EOF
     (cd .snap/buf && go run ./gen --out build/ab/out && cp ../../build/nvcc.path build/ &&
       make lib GENDIR=build/ab/out BUILD=build/ab/obj LIBDIR=build/ab/lib SKIP_GEN=1 JOBS=2 \
         PYTHON="$PWD/../../.venv/bin/python")
+    echo "$key" >.snap/buf/.remeasure-key
   fi
   tar cf - arfuse/_lib build/ci/lib build/ci/out out | xz -1 -T2 >$dir/libs.tar.xz
   tar cf - --exclude=.snap/buf/build/ab/obj --exclude=.snap/buf/.cuda --exclude=.snap/buf/docs \
@@ -68,19 +73,9 @@ fi
 mkdir -p build/ab && ln -sfn ../../arfuse/_lib build/ab/lib && ln -sfn ../../out build/ab/out
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 
-tunequeue() {  # $1: deadline in seconds from the call's start
-  mkdir -p /tmp/tune
-  for m in deepseek-v3 qwen3-235b-a22b qwen3-30b-a3b gpt-oss-120b; do
-    for n in 8 4 2; do
-      [ -f /tmp/tune/$m-w$n.done ] && continue
-      t=$(( $1 - $(el) )); [ $t -gt 40 ] || { echo "tune: no time left for $m w$n"; return 1; }
-      timeout $t python3 -m arfuse.bench --emulate --dtype bf16 --layout permuted --replays 50 \
-        --out /tmp/tune/tune-$m-w$n --model $m --world-size $n --tune >/tmp/tune/tune-$m-w$n.log 2>&1
-      rc=$?; echo "tune $m w$n rc=$rc at $(el) s: $(tail -n 1 /tmp/tune/tune-$m-w$n.log)"
-      [ $rc = 0 ] && touch /tmp/tune/$m-w$n.done
-      tar czf "$OUT/tune.tgz" -C /tmp tune
-    done
-  done
+tune() {  # $1: deadline in seconds from the call's start
+  PREBUILT=1 SKIP_CHECK=1 BENCH_TUNE=1 RESUME=1 BENCH_DIR=/tmp/tune DEADLINE_S=$(( $1 - $(el) )) \
+    scripts/gpu-session.sh "$OUT/tune" 2>&1 | grep -E '^tune-|deadline|gpu-session'
 }
 
 case $cmd in
@@ -94,9 +89,9 @@ case $cmd in
     PREBUILT=1 SKIP_CHECK=1 BENCH_QUANT="" BENCH_ARGS="--tokens 1,2,4,8,16,32,64,256,1024,8192" \
       DEADLINE_S=$(( ${DL:-555} - 15 - $(el) )) scripts/gpu-session.sh /tmp/c2 2>&1 | tee /tmp/c2/session.log
     tar czf "$OUT/c2.tgz" -C /tmp c2
-    tunequeue ${DL:-555} ;;
+    tune ${DL:-555} ;;
   c3)
-    tunequeue ${TUNE_DL:-330}
+    tune ${TUNE_DL:-330}
     AB_PREBUILT=1 AB_IMPL=arfuse_twoshot AB_TOKENS=64,96,128,192,256 ROUNDS=1 \
       DEADLINE_S=$(( ${DL:-555} - $(el) )) \
       AB_CONFIGS="deepseek-v3 8;deepseek-v3 4;deepseek-v3 2;qwen3-235b-a22b 2;qwen3-30b-a3b 8;qwen3-30b-a3b 4;qwen3-30b-a3b 2;gpt-oss-120b 8;gpt-oss-120b 4;gpt-oss-120b 2" \
