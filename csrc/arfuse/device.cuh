@@ -412,4 +412,81 @@ __device__ __forceinline__ void finalize_vec(const LaunchParams& p, int64_t t, i
   for (int j = 0; j < kVec; ++j) acc[j] = bad ? __int_as_float(0x7fc00000) : fmaf(rs, acc[j], sh[j]);
 }
 
+// The finalize of kN vectors of one token at once (vector i at element elem[i]; has[i]: whether
+// this thread has it), each expert's index and weight loaded once for all of them and kGroup
+// experts' rows of every vector in flight together (kGroup * kN uint4). Bitwise the same as kN
+// calls of finalize_vec: per vector the same float operations in the same order. Two-shot
+// phase 2 (the owner's own tokens): there every vector's finalize precedes the polls, and one
+// vector's row loads no longer wait for another's, nor the second index chain for the first.
+template <typename T, int kN, int kGroup>
+__device__ __forceinline__ void finalize_vecs(const LaunchParams& p, int64_t t,
+                                              const int64_t (&elem)[kN], const bool (&has)[kN],
+                                              float (&acc)[kN][Elem<T>::kVec]) {
+  constexpr int kVec = Elem<T>::kVec;
+  const T* rows = static_cast<const T*>(p.expert_out);
+  const int64_t H = p.hidden;
+  const int K = p.top_k;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) acc[i][j] = 0.0f;
+  }
+  bool bad = false;
+  for (int k0 = 0; k0 < K; k0 += kGroup) {
+    uint4 v[kGroup][kN];
+    float w[kGroup];
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const int k = k0 + g;
+      w[g] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kN; ++i) v[g][i] = make_uint4(0, 0, 0, 0);
+      if (k < K) {
+        int64_t row;
+        if (p.layout == static_cast<int32_t>(Layout::kPermuted)) {
+          row = __ldg(p.permuted_idx + t * K + k);
+          if (row < -1 || row >= p.num_rows) {
+            bad = true;
+            row = -1;
+          }
+        } else {
+          row = t * K + k;  // dense [T, K, H]; plain is dense with K = 1
+        }
+        if (row >= 0) {
+#pragma unroll
+          for (int i = 0; i < kN; ++i) {
+            if (has[i]) v[g][i] = ld_stream(rows + row * H + elem[i]);
+          }
+          w[g] = load_weight<T>(p.expert_weights, p.weights_f32 != 0, t * K + k);
+        }
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) {
+        float f[kVec];
+        unpack<T>(v[g][i], f);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) acc[i][j] = fmaf(w[g], f[j], acc[i][j]);
+      }
+    }
+  }
+  const float rs = p.routed_scaling;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    float sh[kVec];
+    if (p.shared_out != nullptr && has[i]) {
+      unpack<T>(ld_stream(static_cast<const T*>(p.shared_out) + t * H + elem[i]), sh);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) sh[j] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      acc[i][j] = bad ? __int_as_float(0x7fc00000) : fmaf(rs, acc[i][j], sh[j]);
+    }
+  }
+}
+
 }  // namespace arfuse

@@ -469,6 +469,11 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
     // gather areas and writes both outputs itself: its own partial row and its own gather row
     // are never written, read or reset (3 + 3 rows of traffic per own token fewer than a
     // round trip through its own buffer), and its own tokens need no phase 3 ----
+    // kOwnFirst: every vector's own partial before the first poll (below), in the specialised
+    // instances without a register bound (kMinBlocks 0: the small-T ones). The bound and generic
+    // ones keep 3f9a5cd's order (per vector: finalize, polls, pushes), where finalizing first
+    // spilled more (ptxas -v: fp16 7168 N = 8 0 -> 80 bytes, generic 0 -> 16-44).
+    constexpr bool kOwnFirst = !Cfg::kGeneric && Cfg::kMinBlocks == 0;
     const int lo = rank * items.chunks;
     for (int w = TwoShotItems::first_at_or_after(lo, geo.cluster_id, geo.num_clusters);
          w < lo + items.chunks; w += geo.num_clusters) {
@@ -477,33 +482,80 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
       const int64_t t = t_;
       TokenRow<Cfg> row;
       float sq = 0.0f;
+      if constexpr (!kOwnFirst) {
 #pragma unroll
-      for (int i = 0; i < kVpt; ++i) {
-        row.clear(i);
-        const int v = geo.vec(i);
-        if (!valid || v < 0) continue;
-        const int64_t elem = static_cast<int64_t>(v) * kVec;
-        const uint4 res = p.residual != nullptr
-                              ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
-                              : make_uint4(0, 0, 0, 0);
-        float acc[kVec];
-        finalize_vec<T, false, 4>(p, t, elem, acc);  // 4 rows at a time: see finalize_vec
-        const uint4 mine = canonical<T>(pack<T>(acc));  // rounded as a pushed partial is
-        float s[kVec], r[kVec];
-        sum_ranks<Cfg, true>(p, geo, own + slot_off + static_cast<int64_t>(local) * N * H + elem,
-                             H, waiter, s, rank, mine);
-        unpack<T>(res, r);
+        for (int i = 0; i < kVpt; ++i) {
+          row.clear(i);
+          const int v = geo.vec(i);
+          if (!valid || v < 0) continue;
+          const int64_t elem = static_cast<int64_t>(v) * kVec;
+          const uint4 res = p.residual != nullptr
+                                ? ld_stream(static_cast<const T*>(p.residual) + t * H + elem)
+                                : make_uint4(0, 0, 0, 0);
+          float acc[kVec];
+          finalize_vec<T, false, 4>(p, t, elem, acc);  // 4 rows at a time: see finalize_vec
+          const uint4 mine = canonical<T>(pack<T>(acc));  // rounded as a pushed partial is
+          float s[kVec], r[kVec];
+          sum_ranks<Cfg, true>(p, geo, own + slot_off + static_cast<int64_t>(local) * N * H + elem,
+                               H, waiter, s, rank, mine);
+          unpack<T>(res, r);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) s[j] += r[j];
-        uint4 out = canonical<T>(pack<T>(s));
-        if (waiter.gave_up) out = nan_vec<T>();
-        push_to_ranks<Cfg, true>(p, N, rank, slot_off + gather_off + t * H + elem, out);
-        row.rv[i] = out;
-        st_vec(static_cast<T*>(p.residual_out) + t * H + elem, out);
-        float f[kVec];
-        unpack<T>(out, f);
+          for (int j = 0; j < kVec; ++j) s[j] += r[j];
+          uint4 out = canonical<T>(pack<T>(s));
+          if (waiter.gave_up) out = nan_vec<T>();
+          push_to_ranks<Cfg, true>(p, N, rank, slot_off + gather_off + t * H + elem, out);
+          row.rv[i] = out;
+          st_vec(static_cast<T*>(p.residual_out) + t * H + elem, out);
+          float f[kVec];
+          unpack<T>(out, f);
 #pragma unroll
-        for (int j = 0; j < kVec; ++j) sq = fmaf(f[j], f[j], sq);
+          for (int j = 0; j < kVec; ++j) sq = fmaf(f[j], f[j], sq);
+        }
+      } else {
+        // Every vector's own partial (into row.rv) and residual first, then the polls: the
+        // rows of all the vectors are in flight together (each expert's index and weight loaded
+        // once) and no vector's loads wait behind another vector's polls and pushes.
+        uint4 res[kVpt];
+        int64_t elems[kVpt];
+        bool has[kVpt];
+#pragma unroll
+        for (int i = 0; i < kVpt; ++i) {
+          row.clear(i);
+          const int v = geo.vec(i);
+          has[i] = valid && v >= 0;
+          elems[i] = has[i] ? static_cast<int64_t>(v) * kVec : 0;
+          res[i] = has[i] && p.residual != nullptr
+                       ? ld_stream(static_cast<const T*>(p.residual) + t * H + elems[i])
+                       : make_uint4(0, 0, 0, 0);
+        }
+        if (valid) {
+          float acc[kVpt][kVec];
+          finalize_vecs<T, kVpt, 2>(p, t, elems, has, acc);  // 2 experts x kVpt rows at a time
+#pragma unroll
+          for (int i = 0; i < kVpt; ++i) {
+            if (has[i]) row.rv[i] = canonical<T>(pack<T>(acc[i]));  // as a pushed partial
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kVpt; ++i) {
+          if (!has[i]) continue;
+          const int64_t elem = elems[i];
+          float s[kVec], r[kVec];
+          sum_ranks<Cfg, true>(p, geo, own + slot_off + static_cast<int64_t>(local) * N * H + elem,
+                               H, waiter, s, rank, row.rv[i]);
+          unpack<T>(res[i], r);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) s[j] += r[j];
+          uint4 out = canonical<T>(pack<T>(s));
+          if (waiter.gave_up) out = nan_vec<T>();
+          push_to_ranks<Cfg, true>(p, N, rank, slot_off + gather_off + t * H + elem, out);
+          row.rv[i] = out;
+          st_vec(static_cast<T*>(p.residual_out) + t * H + elem, out);
+          float f[kVec];
+          unpack<T>(out, f);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) sq = fmaf(f[j], f[j], sq);
+        }
       }
       const float total = row_sum_squares<Cfg>(sq, geo, red);
       write_norm<Cfg>(p, geo, t, row, total, valid, red);
