@@ -474,6 +474,10 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
     // ones keep 3f9a5cd's order (per vector: finalize, polls, pushes), where finalizing first
     // spilled more (ptxas -v: fp16 7168 N = 8 0 -> 80 bytes, generic 0 -> 16-44).
     constexpr bool kOwnFirst = !Cfg::kGeneric && Cfg::kMinBlocks == 0;
+    // ... and only where no block has more than one own item (the latency-bound calls): with
+    // several per block, finalizing first measured slower (Qwen3-30B N = 2, T = 1024 / 8192:
+    // 1.024 / 1.012x, H100, docs/perf/h100-a6de6df/hoist), the order of 3f9a5cd runs there.
+    const bool own_first = items.chunks <= geo.num_clusters;
     const int lo = rank * items.chunks;
     for (int w = TwoShotItems::first_at_or_after(lo, geo.cluster_id, geo.num_clusters);
          w < lo + items.chunks; w += geo.num_clusters) {
@@ -482,7 +486,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
       const int64_t t = t_;
       TokenRow<Cfg> row;
       float sq = 0.0f;
-      if constexpr (!kOwnFirst) {
+      if (!kOwnFirst || !own_first) {
 #pragma unroll
         for (int i = 0; i < kVpt; ++i) {
           row.clear(i);
