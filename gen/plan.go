@@ -492,7 +492,9 @@ func splitPlan(r Split) (Plan, error) {
 //     docs/performance.md).
 //   - buffered_splits: the two-shot whose owner sends its own tokens through its own buffer
 //     (Variant.Buffered). Keeping them in registers (3f9a5cd) moved T >= 256 5-23 % faster and
-//     T = 16-64 at world sizes 4 and 8 up to 25 % slower (docs/perf/h100-3f9a5cd). Where the
+//     T = 16-64 at world sizes 4 and 8 up to 25 % slower (docs/perf/h100-3f9a5cd), until the
+//     unbound instances finalized their own tokens before their polls (kOwnFirst, a6de6df's A/B):
+//     the rows are left for the bound ones (7168). Where the
 //     instance also has an unbound twin, the buffered one is unbound too (that range ran unbound);
 //     where both name the same token count, the unbound twin becomes the buffered one.
 func splitByTokens(variants []*Variant, t *Tuning) []*Variant {
