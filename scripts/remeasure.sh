@@ -3,19 +3,21 @@
 # GPU) and carried, in at most three device calls of under 600 s each:
 #   here:   scripts/remeasure.sh pack        builds (if missing) and packs into build/remeasure/:
 #             libs.tar.xz  arfuse/_lib, build/ci/lib, build/ci/out, out           (~15 MB)
-#             snap.tar.xz  .snap/buf: this tree with the buffered_splits rows of
-#                          variants/tuning.yaml raised from 64 to 256 (not hidden 4096 N = 4/8),
-#                          its library built: the baseline of the T = 65–255 A/B     (~10 MB)
+#             snap.tar.xz  .snap/base: the tree of BASE_REF (default a6de6df, the kernel measured
+#                          before the own-first two-shot phase 2), its library built: the baseline
+#                          of the A/B in c3                                          (~10 MB)
 #   device: scripts/remeasure.sh c1 $OUT    suite + memcheck + racecheck + misuse under memcheck,
 #                                           FP8 output kinds, vLLM today          -> OUT/c1.tgz
 #           scripts/remeasure.sh c2 $OUT    the twelve tables, then --tune        -> OUT/c2.tgz, tune.tgz
-#           scripts/remeasure.sh c3 $OUT    the rest of --tune, then the A/B of the buffered twin
-#                                           against the registers-kept two-shot at T = 64…256
+#           scripts/remeasure.sh c3 $OUT    the rest of --tune, then the A/B of this tree against
+#                                           .snap/base, two-shot forced, T = 16 ... 8192
 #   carry ["build/remeasure"]. A call unpacks the archives once per warm machine; the --tune set
 #   (scripts/gpu-session.sh BENCH_TUNE=1 RESUME=1 in /tmp/tune) goes on where the last call on the
-#   same warm machine stopped. The libraries are of the working tree, the snapshot of HEAD.
-# Knobs: DL (the call's deadline in seconds, default 555), TUNE_DL (c3: the tune's share, 330).
-#        ARFUSE_COMMIT (the commit the results name; default git rev-parse, where the copy has .git).
+#   same warm machine stopped. The libraries are of the working tree, the snapshot of BASE_REF.
+#   (a6de6df's run: c1 240 s, c2 407 s with all twelve --tune runs; docs/perf/h100-a6de6df.)
+# Knobs: DL (the call's deadline in seconds, default 555), TUNE_DL (c3: the tune's share, 330),
+#        BASE_REF (pack), AB_TOKENS (c3), ARFUSE_COMMIT (the commit the results name; default git
+#        rev-parse, where the copy has .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:?usage: scripts/remeasure.sh pack | c1 OUT | c2 OUT | c3 OUT}
@@ -26,34 +28,21 @@ if [ "$cmd" = pack ]; then
   mkdir -p $dir
   make lib                                    # incremental: only what changed is compiled
   make lib MATRIX=ci GENDIR=build/ci/out BUILD=build/ci/obj LIBDIR=build/ci/lib
-  # the snapshot is rebuilt when what its library and its Python side come from changed
+  # the snapshot is rebuilt when BASE_REF or what this tree's build comes from changed
+  base=$(git rev-parse --verify "${BASE_REF:-a6de6df}^{commit}")
   key=$(git rev-parse HEAD:csrc HEAD:templates HEAD:gen HEAD:variants HEAD:arfuse HEAD:Makefile | sha1sum)
-  if [ "$(cat .snap/buf/.remeasure-key 2>/dev/null)" != "$key" ] ||
-     [ ! -f .snap/buf/build/ab/lib/libarfuse_ops.so ]; then
-    rm -rf .snap/buf && mkdir -p .snap/buf && git archive HEAD | tar x -C .snap/buf
-    python3 - .snap/buf/variants/tuning.yaml <<'EOF'
-import re, sys
-# raise buffered_max_tokens 64 -> 256 in the buffered_splits rows, except hidden 4096 at N = 4, 8
-p = sys.argv[1]; text = open(p).read()
-head, sep, rest = text.partition("buffered_splits:")
-assert sep, "variants/tuning.yaml: no buffered_splits"
-def row(m):
-    r = m.group(0)
-    if re.search(r"hidden:\s*4096\b", r) and re.search(r"world(_size)?:\s*[48]\b", r):
-        return r
-    return re.sub(r"(buffered_max_tokens:\s*)64\b", r"\g<1>256", r)
-new = head + sep + re.sub(r"\{[^}]*\}", row, rest)
-assert new != text, "variants/tuning.yaml: no buffered_max_tokens: 64 left to raise"
-open(p, "w").write(new)
-EOF
-    (cd .snap/buf && go run ./gen --out build/ab/out && cp ../../build/nvcc.path build/ &&
+  key="$base $key"
+  if [ "$(cat .snap/base/.remeasure-key 2>/dev/null)" != "$key" ] ||
+     [ ! -f .snap/base/build/ab/lib/libarfuse_ops.so ]; then
+    rm -rf .snap/base && mkdir -p .snap/base && git archive "$base" | tar x -C .snap/base
+    (cd .snap/base && go run ./gen --out build/ab/out && mkdir -p build && cp ../../build/nvcc.path build/ &&
       make lib GENDIR=build/ab/out BUILD=build/ab/obj LIBDIR=build/ab/lib SKIP_GEN=1 JOBS=2 \
         PYTHON="$PWD/../../.venv/bin/python")
-    echo "$key" >.snap/buf/.remeasure-key
+    echo "$key" >.snap/base/.remeasure-key
   fi
   tar cf - arfuse/_lib build/ci/lib build/ci/out out | xz -1 -T2 >$dir/libs.tar.xz
-  tar cf - --exclude=.snap/buf/build/ab/obj --exclude=.snap/buf/.cuda --exclude=.snap/buf/docs \
-    .snap/buf | xz -1 -T2 >$dir/snap.tar.xz
+  tar cf - --exclude=.snap/base/build/ab/obj --exclude=.snap/base/.cuda --exclude=.snap/base/docs \
+    .snap/base | xz -1 -T2 >$dir/snap.tar.xz
   ls -la $dir
   exit 0
 fi
@@ -92,9 +81,9 @@ case $cmd in
     tune ${DL:-555} ;;
   c3)
     tune ${TUNE_DL:-330}
-    AB_PREBUILT=1 AB_IMPL=arfuse_twoshot AB_TOKENS=64,96,128,192,256 ROUNDS=1 \
+    AB_PREBUILT=1 AB_IMPL=arfuse_twoshot AB_TOKENS=${AB_TOKENS:-16,32,64,128,256,512,1024,8192} ROUNDS=1 \
       DEADLINE_S=$(( ${DL:-555} - $(el) )) \
-      AB_CONFIGS="deepseek-v3 8;deepseek-v3 4;deepseek-v3 2;qwen3-235b-a22b 2;qwen3-30b-a3b 8;qwen3-30b-a3b 4;qwen3-30b-a3b 2;gpt-oss-120b 8;gpt-oss-120b 4;gpt-oss-120b 2" \
-      scripts/kernel_ab.sh "$OUT" .snap/buf 2>&1 | tail -n 40 ;;
+      AB_CONFIGS="qwen3-30b-a3b 2;gpt-oss-120b 8;qwen3-30b-a3b 8;qwen3-235b-a22b 2;gpt-oss-120b 2;qwen3-235b-a22b 8;deepseek-v3 8;gpt-oss-120b 4;qwen3-30b-a3b 4;qwen3-235b-a22b 4;deepseek-v3 4;deepseek-v3 2" \
+      scripts/kernel_ab.sh "$OUT" .snap/base 2>&1 | tail -n 100 ;;
   *) echo "scripts/remeasure.sh: unknown command '$cmd' (pack, c1, c2, c3)"; exit 2 ;;
 esac
