@@ -16,6 +16,7 @@
 #   same warm machine stopped. The libraries are of the working tree, the snapshot of BASE_REF.
 #   (a6de6df's run: c1 240 s, c2 407 s with all twelve --tune runs; docs/perf/h100-a6de6df.)
 # Knobs: DL (the call's deadline in seconds, default 555), TUNE_DL (c3: the tune's share, 330),
+#        NO_TUNE=1 (c2: the tables only),
 #        BASE_REF (pack), AB_TOKENS (c3), ARFUSE_COMMIT (the commit the results name; default git
 #        rev-parse, where the copy has .git).
 set -uo pipefail
@@ -78,7 +79,7 @@ case $cmd in
     PREBUILT=1 SKIP_CHECK=1 BENCH_QUANT="" BENCH_ARGS="--tokens 1,2,4,8,16,32,64,256,1024,8192" \
       DEADLINE_S=$(( ${DL:-555} - 15 - $(el) )) scripts/gpu-session.sh /tmp/c2 2>&1 | tee /tmp/c2/session.log
     tar czf "$OUT/c2.tgz" -C /tmp c2
-    tune ${DL:-555} ;;
+    [ -n "${NO_TUNE:-}" ] || tune ${DL:-555} ;;
   c3)
     tune ${TUNE_DL:-330}
     AB_PREBUILT=1 AB_IMPL=arfuse_twoshot AB_TOKENS=${AB_TOKENS:-16,32,64,128,256,512,1024,8192} ROUNDS=1 \
