@@ -3,8 +3,8 @@
 # GPU) and carried, in at most three device calls of under 600 s each:
 #   here:   scripts/remeasure.sh pack        builds (if missing) and packs into build/remeasure/:
 #             libs.tar.xz  arfuse/_lib, build/ci/lib, build/ci/out, out           (~15 MB)
-#             snap.tar.xz  .snap/base: the tree of BASE_REF (default a6de6df, the kernel measured
-#                          before the own-first two-shot phase 2), its library built: the baseline
+#             snap.tar.xz  .snap/base: the tree of BASE_REF (default cab67f4, the kernel measured
+#                          as one set on the H200), its library built: the baseline
 #                          of the A/B in c3                                          (~10 MB)
 #   device: scripts/remeasure.sh c1 $OUT    suite + memcheck + racecheck + misuse under memcheck,
 #                                           FP8 output kinds, vLLM today          -> OUT/c1.tgz
@@ -14,7 +14,8 @@
 #   carry ["build/remeasure"]. A call unpacks the archives once per warm machine; the --tune set
 #   (scripts/gpu-session.sh BENCH_TUNE=1 RESUME=1 in /tmp/tune) goes on where the last call on the
 #   same warm machine stopped. The libraries are of the working tree, the snapshot of BASE_REF.
-#   (a6de6df's run: c1 240 s, c2 407 s with all twelve --tune runs; docs/perf/h100-a6de6df.)
+#   (a6de6df's run: c1 240 s, c2 407 s with all twelve --tune runs, H100; cab67f4's: c3 212 s
+#   with TUNE_DL=1 LADDER=1, c1 234 s, c2 325 s, H200; docs/perf/h100-a6de6df, h200-cab67f4.)
 # Knobs: DL (the call's deadline in seconds, default 555), TUNE_DL (c3: the tune's share, 330),
 #        NO_TUNE=1 (c2: the tables only),
 #        BASE_REF (pack), AB_TOKENS (c3), ARFUSE_COMMIT (the commit the results name; default git
@@ -29,13 +30,11 @@ if [ "$cmd" = pack ]; then
   mkdir -p $dir
   make lib                                    # incremental: only what changed is compiled
   make lib MATRIX=ci GENDIR=build/ci/out BUILD=build/ci/obj LIBDIR=build/ci/lib
-  # the snapshot is rebuilt when BASE_REF or what this tree's build comes from changed
-  base=$(git rev-parse --verify "${BASE_REF:-a6de6df}^{commit}")
-  key=$(git rev-parse HEAD:csrc HEAD:templates HEAD:gen HEAD:variants HEAD:arfuse HEAD:Makefile | sha1sum)
-  key="$base $key"
+  # the snapshot is BASE_REF's tree and library: rebuilt when BASE_REF names another commit
+  key=$(git rev-parse --verify "${BASE_REF:-cab67f4}^{commit}")
   if [ "$(cat .snap/base/.remeasure-key 2>/dev/null)" != "$key" ] ||
      [ ! -f .snap/base/build/ab/lib/libarfuse_ops.so ]; then
-    rm -rf .snap/base && mkdir -p .snap/base && git archive "$base" | tar x -C .snap/base
+    rm -rf .snap/base && mkdir -p .snap/base && git archive "$key" | tar x -C .snap/base
     (cd .snap/base && go run ./gen --out build/ab/out && mkdir -p build && cp ../../build/nvcc.path build/ &&
       make lib GENDIR=build/ab/out BUILD=build/ab/obj LIBDIR=build/ab/lib SKIP_GEN=1 JOBS=2 \
         PYTHON="$PWD/../../.venv/bin/python")

@@ -420,7 +420,7 @@ __device__ __forceinline__ void finalize_vec(const LaunchParams& p, int64_t t, i
 // vector's row loads no longer wait for another's, nor the second index chain for the first.
 // finalize_vec is not written as finalize_vecs of one: that compiled to other SASS (register
 // allocation and order, cuobjdump) for the one-shot, local and bound two-shot instances, whose
-// machine code every table of a6de6df measured; fold them once a re-measure covers all of them.
+// code a6de6df's and cab67f4's sets measured; folding is a kernel change: fold with a re-measure.
 template <typename T, int kN, int kGroup>
 __device__ __forceinline__ void finalize_vecs(const LaunchParams& p, int64_t t,
                                               const int64_t (&elem)[kN], const bool (&has)[kN],
