@@ -25,6 +25,8 @@ VENV      ?= .venv
 PYTHON    ?= $(VENV)/bin/python
 JOBS      ?= $(shell nproc 2>/dev/null || echo 2)
 ARCH_FLAGS ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+# Extra nvcc flags, e.g. a kernel experiment's -D knob (scripts/kernel_ab.sh prepare NAME=.+DEFINE)
+NVCC_EXTRA ?=
 
 LIB       := $(LIBDIR)/libarfuse_ops.so
 HAND_CU   := csrc/kernels.cu
@@ -109,7 +111,7 @@ CUDA_HOME  := $(abspath $(dir $(NVCC_BIN))/..)
 TORCH_DIR  := $(shell $(PYTHON) -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 TORCH_ABI  := $(shell $(PYTHON) -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
 CUDART_DIR := $(shell $(PYTHON) -c 'import glob, os, torch; c = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu*", "lib", "libcudart.so*")); print(os.path.dirname(os.path.abspath(c[0])) if c else "")')
-NVCC_FLAGS := -std=c++17 -O3 $(ARCH_FLAGS) -Xcompiler -fPIC -Icsrc -I$(GENDIR) -DNDEBUG -lineinfo
+NVCC_FLAGS := -std=c++17 -O3 $(ARCH_FLAGS) -Xcompiler -fPIC -Icsrc -I$(GENDIR) -DNDEBUG -lineinfo $(NVCC_EXTRA)
 CXX_FLAGS  := -std=c++17 -O2 -fPIC -Icsrc -I$(GENDIR) -I$(CUDA_HOME)/include -I$(CUDA_HOME)/targets/x86_64-linux/include \
               -isystem $(TORCH_DIR)/include -DTORCH_TARGET_VERSION=$(TORCH_TARGET) -DUSE_CUDA \
               -D_GLIBCXX_USE_CXX11_ABI=$(TORCH_ABI) -fvisibility=hidden -DNDEBUG -Wall -Wno-unused-function

@@ -4,9 +4,15 @@
 # baseline) built from variants/ab.yaml side by side, then python -m arfuse.bench of each on the
 # four configurations of issue 16's table, the trees alternating, ROUNDS rounds (default 2);
 # then, with LADDER=1, this tree's latency ladder.
-# Prepare here (no Go on the GPU machine):
-#   go run ./gen --matrix ab --out build/ab/out          (in this tree and in every OLD)
-#   scripts/kernel_ab.sh $OUT .snap/base [.snap/s1 ...]   carry [".snap", "build/ab/out"]
+# Prepare here (no Go on the GPU machine), one command:
+#   scripts/kernel_ab.sh prepare NAME=REF|NAME=.+DEFINE ...
+#     builds this tree's build/ab (out and lib) and, per argument, .snap/NAME (.snap is emptied
+#     first, so that only these trees travel): the tree of git
+#     REF, or (.+DEFINE) a copy of this working tree compiled with -DDEFINE (a kernel knob such
+#     as ARFUSE_TWOSHOT_PIPE_DEPTH=2), each from this tree's variants/ab.yaml (the same
+#     instances in every tree) with its library built (no build on the GPU machine), and prints
+#     the size of what a call carries (at most 64 MiB). Then, on the GPU machine:
+#   AB_PREBUILT=1 scripts/kernel_ab.sh $OUT .snap/base [.snap/s1 ...]   carry [".snap", "build/ab"]
 # Knobs: AB_TOKENS (default 1,2,4,8,16,64,1024,8192), AB_CONFIGS ("model N;model N;...", default
 # the four above), AB_IMPL (default arfuse, the dispatch's choice; arfuse_oneshot / arfuse_twoshot
 # force one algorithm), ROUNDS, LADDER=1, LADDER_TOKENS,
@@ -15,6 +21,43 @@
 # that one call can run several A/Bs). Results: OUT/ab.tgz (CSVs, markdown, logs of both trees),
 # gpu.txt, OUT/ab-summary.txt.
 set -uo pipefail
+if [ "${1:-}" = prepare ]; then
+  set -e
+  shift
+  [ $# -ge 1 ] || { echo "usage: scripts/kernel_ab.sh prepare NAME=REF|NAME=.+DEFINE ..."; exit 2; }
+  root=$PWD
+  py=${PYTHON:-$root/.venv/bin/python}
+  abl() {  # $1: tree, $2: extra nvcc flags; the log in /tmp/kernel_ab-prepare-NAME.log
+    local log=/tmp/kernel_ab-prepare-$(basename "$(cd "$1" && pwd)").log
+    (cd "$1" && go run ./gen --matrix ab --out build/ab/out &&
+      make lib GENDIR=build/ab/out BUILD=build/ab/obj LIBDIR=build/ab/lib SKIP_GEN=1 JOBS=2 \
+        PYTHON="$py" NVCC_EXTRA="$2") >"$log" 2>&1 || { tail -n 30 "$log"; echo "prepare: $1 failed"; exit 1; }
+    tail -n 1 "$log"
+  }
+  rm -rf .snap  # only the trees named here travel
+  make toolchain >/dev/null  # build/nvcc.path
+  abl "$root" ""
+  for spec in "$@"; do
+    name=${spec%%=*} src=${spec#*=}
+    case $name in ''|*/*|.*) echo "prepare: bad NAME in '$spec'"; exit 2 ;; esac
+    dst=.snap/$name; rm -rf "$dst"; mkdir -p "$dst/build"
+    defs=""
+    if [ "${src%%+*}" = . ]; then  # this working tree, tracked and untracked files git keeps
+      git ls-files -co --exclude-standard -z | tar cf - --null -T - | tar xf - -C "$dst"
+      [ "$src" = . ] || defs="-D${src#.+}"
+    else
+      git archive "$(git rev-parse --verify "$src^{commit}")" | tar xf - -C "$dst"
+    fi
+    rm -rf "$dst/docs"
+    cp variants/ab.yaml "$dst/variants/ab.yaml"
+    cp build/nvcc.path "$dst/build/"
+    echo "$spec: $(abl "$dst" "$defs")"
+    rm -rf "$dst/build/ab/obj" "$dst/.cuda"
+  done
+  rm -rf build/ab/obj
+  du -sch .snap build/ab | tail -n 1 | sed 's/total/carried by [".snap", "build\/ab"] (limit 64 MiB)/'
+  exit 0
+fi
 out=${1:?usage: scripts/kernel_ab.sh OUTDIR OLDTREE...}
 shift
 [ $# -ge 1 ] || { echo "usage: scripts/kernel_ab.sh OUTDIR OLDTREE..."; exit 2; }
