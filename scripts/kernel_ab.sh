@@ -34,12 +34,21 @@ if [ "${1:-}" = prepare ]; then
         PYTHON="$py" NVCC_EXTRA="$2") >"$log" 2>&1 || { tail -n 30 "$log"; echo "prepare: $1 failed"; exit 1; }
     tail -n 1 "$log"
   }
+  for spec in "$@"; do  # every argument checked before anything is removed or built
+    name=${spec%%=*} src=${spec#*=}
+    case $name in ''|*/*|.*) echo "prepare: bad NAME in '$spec' (a folder name under .snap)"; exit 2 ;; esac
+    [ "$name" != "$spec" ] || { echo "prepare: '$spec' is not NAME=REF or NAME=.+DEFINE"; exit 2; }
+    case $src in
+      .|.+?*) ;;
+      *) git rev-parse -q --verify "$src^{commit}" >/dev/null ||
+           { echo "prepare: '$src' (in '$spec') is not a commit"; exit 2; } ;;
+    esac
+  done
   rm -rf .snap  # only the trees named here travel
   make toolchain >/dev/null  # build/nvcc.path
   abl "$root" ""
   for spec in "$@"; do
     name=${spec%%=*} src=${spec#*=}
-    case $name in ''|*/*|.*) echo "prepare: bad NAME in '$spec'"; exit 2 ;; esac
     dst=.snap/$name; rm -rf "$dst"; mkdir -p "$dst/build"
     defs=""
     if [ "${src%%+*}" = . ]; then  # this working tree, tracked and untracked files git keeps
