@@ -202,11 +202,18 @@ def supported(dtype, hidden: int, world_size: int) -> bool:
                for a in _vocab.algorithms_for(world_size))
 
 
-def oneshot_threshold(dtype, hidden: int, world_size: int) -> int:
-    """auto dispatch uses one-shot for T <= this (measured tuning row, else the default rule)."""
+def oneshot_threshold(dtype, hidden: int, world_size: int, card: str | None = None) -> int:
+    """auto dispatch uses one-shot for T <= this on the card named ``card``: the row measured on
+    that card (variants/tuning.yaml card_thresholds), else the default table's row, else the
+    default rule. ``card`` is the device name CUDA reports (torch.cuda.get_device_name());
+    None: the current CUDA device's, or the default table where there is no CUDA device."""
     _lib.require()
+    if card is None:
+        card = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    if not isinstance(card, str):
+        raise TypeError(f"card: want a device name (str) or None, got {type(card).__name__}")
     try:
-        return torch.ops.arfuse.oneshot_threshold(_dtype(dtype), hidden, world_size)
+        return torch.ops.arfuse.oneshot_threshold(_dtype(dtype), hidden, world_size, card)
     except RuntimeError as e:
         _lib.reraise(e)
 

@@ -117,15 +117,34 @@ int default_oneshot_max_tokens(DType dtype, int hidden, int world_size) {
   return static_cast<int>(std::max<int64_t>(1, budget / std::max<int64_t>(per_token, 1)));
 }
 
-int oneshot_max_tokens(DType dtype, int hidden, int world_size) {
+const CardThresholds* card_thresholds(const std::string& card) {
   int count = 0;
-  const Threshold* table = threshold_table(&count);
+  const CardThresholds* cards = card_threshold_tables(&count);
   for (int i = 0; i < count; ++i) {
-    if (table[i].dtype == dtype && table[i].hidden == hidden && table[i].world_size == world_size) {
-      return table[i].oneshot_max_tokens;
+    if (card == cards[i].card) return &cards[i];
+  }
+  return nullptr;
+}
+
+namespace {
+const Threshold* find_row(const Threshold* rows, int count, DType dtype, int hidden, int world_size) {
+  for (int i = 0; i < count; ++i) {
+    if (rows[i].dtype == dtype && rows[i].hidden == hidden && rows[i].world_size == world_size) {
+      return &rows[i];
     }
   }
-  return default_oneshot_max_tokens(dtype, hidden, world_size);
+  return nullptr;
+}
+}  // namespace
+
+int oneshot_max_tokens(DType dtype, int hidden, int world_size, const CardThresholds* card) {
+  const Threshold* row = card ? find_row(card->rows, card->count, dtype, hidden, world_size) : nullptr;
+  if (row == nullptr) {
+    int count = 0;
+    const Threshold* table = threshold_table(&count);
+    row = find_row(table, count, dtype, hidden, world_size);
+  }
+  return row ? row->oneshot_max_tokens : default_oneshot_max_tokens(dtype, hidden, world_size);
 }
 
 }  // namespace arfuse

@@ -363,8 +363,18 @@ type Tuning struct {
 	Commit   string
 	Command  string
 	Rows     []Threshold
+	Cards    []CardRows // card_thresholds: rows measured on other cards, served on those cards
 	Splits   SplitTable // min_blocks_splits: MaxTokens is unbound_max_tokens
 	Buffered SplitTable // buffered_splits: MaxTokens is buffered_max_tokens
+}
+
+// CardRows is one section of card_thresholds: one-shot/two-shot crossovers measured on one card
+// (Card: the device name CUDA reports, e.g. "NVIDIA H100 80GB HBM3"), with their provenance. On a
+// device of exactly that name the dispatch takes a combination's row from here first, then from
+// the default table (Tuning.Rows), then the default rule (csrc/dispatch.cpp oneshot_max_tokens).
+type CardRows struct {
+	Provenance
+	Rows []Threshold
 }
 
 // Provenance says where a table of measured rows was measured: card, date, commit, command.
@@ -421,7 +431,7 @@ func loadTuning(path string) (*Tuning, error) {
 	}
 	header := []string{"card", "date", "commit", "command"}
 	keys := append(slices.Clone(header), "thresholds")
-	top, err := d.fields(root, "", append(slices.Clone(keys), "min_blocks_splits", "buffered_splits"), keys)
+	top, err := d.fields(root, "", append(slices.Clone(keys), "card_thresholds", "min_blocks_splits", "buffered_splits"), keys)
 	if err != nil {
 		return nil, err
 	}
@@ -449,9 +459,33 @@ func loadTuning(path string) (*Tuning, error) {
 	if t.Commit != "" && !commitRE.MatchString(t.Commit) {
 		return nil, d.errAt(resolve(top["commit"]), "commit", "want a git commit hash (7 to 40 lower-case hex digits)")
 	}
+	if t.Rows, err = d.thresholdRows(items, "thresholds"); err != nil {
+		return nil, err
+	}
+	if n, ok := top["card_thresholds"]; ok {
+		if t.Cards, err = d.cardSections(n, t.Card); err != nil {
+			return nil, err
+		}
+	}
+	if n, ok := top["min_blocks_splits"]; ok {
+		if t.Splits, err = d.splitTable(n, "min_blocks_splits", "unbound_max_tokens"); err != nil {
+			return nil, err
+		}
+	}
+	if n, ok := top["buffered_splits"]; ok {
+		if t.Buffered, err = d.splitTable(n, "buffered_splits", "buffered_max_tokens"); err != nil {
+			return nil, err
+		}
+	}
+	return t, nil
+}
+
+// thresholdRows reads the one-shot/two-shot rows of a thresholds list (path: its key).
+func (d *doc) thresholdRows(items []*yaml.Node, path string) ([]Threshold, error) {
+	var rows []Threshold
 	rowKeys := []string{"dtype", "hidden", "world_size", "oneshot_max_tokens"}
 	for i, it := range items {
-		p := index("thresholds", i)
+		p := index(path, i)
 		f, err := d.fields(it, p, rowKeys, rowKeys)
 		if err != nil {
 			return nil, err
@@ -466,24 +500,76 @@ func loadTuning(path string) (*Tuning, error) {
 		if r.OneshotMaxTokens <= 0 {
 			return nil, d.errAt(resolve(f["oneshot_max_tokens"]), join(p, "oneshot_max_tokens"), "threshold must be positive")
 		}
-		for j, o := range t.Rows {
+		for j, o := range rows {
 			if o.DType == r.DType && o.Hidden == r.Hidden && o.World == r.World {
-				return nil, d.errNoValue(resolve(it), p, "duplicate row: thresholds[%d] has the same dtype, hidden and world_size", j)
+				return nil, d.errNoValue(resolve(it), p, "duplicate row: %s has the same dtype, hidden and world_size", index(path, j))
 			}
 		}
-		t.Rows = append(t.Rows, r)
+		rows = append(rows, r)
 	}
-	if n, ok := top["min_blocks_splits"]; ok {
-		if t.Splits, err = d.splitTable(n, "min_blocks_splits", "unbound_max_tokens"); err != nil {
+	return rows, nil
+}
+
+// cardSections reads card_thresholds: a list of sections, each the rows measured on one card with
+// their provenance (card, date, commit, command, all required) and at least one row. A section's
+// card is matched exactly against the run-time device name (printed into a C++ string literal),
+// so it is one printable line without quotes or backslashes, and it is neither the default
+// table's card (those rows are the default table) nor the card of another section.
+func (d *doc) cardSections(n *yaml.Node, defaultCard string) ([]CardRows, error) {
+	items, err := d.seq(n, "card_thresholds")
+	if err != nil {
+		return nil, err
+	}
+	var cards []CardRows
+	header := []string{"card", "date", "commit", "command"}
+	keys := append(slices.Clone(header), "thresholds")
+	for i, it := range items {
+		p := index("card_thresholds", i)
+		f, err := d.fields(it, p, keys, keys)
+		if err != nil {
 			return nil, err
 		}
-	}
-	if n, ok := top["buffered_splits"]; ok {
-		if t.Buffered, err = d.splitTable(n, "buffered_splits", "buffered_max_tokens"); err != nil {
+		var c CardRows
+		vals := map[string]*string{"card": &c.Card, "date": &c.Date, "commit": &c.Commit, "command": &c.Command}
+		for _, k := range header {
+			if *vals[k], err = d.tuningText(f[k], join(p, k)); err != nil {
+				return nil, err
+			}
+			if *vals[k] == "" {
+				return nil, d.errAt(resolve(f[k]), join(p, k), "required (say where the rows were measured)")
+			}
+		}
+		cardAt := resolve(f["card"])
+		if strings.ContainsAny(c.Card, "\"\\") || strings.TrimSpace(c.Card) != c.Card {
+			return nil, d.errAt(cardAt, join(p, "card"), "want the device name as CUDA reports it (nvidia-smi --query-gpu=name): no quotes, backslashes or surrounding spaces")
+		}
+		if c.Card == defaultCard {
+			return nil, d.errAt(cardAt, join(p, "card"), "is the card of the default table: its rows go in thresholds")
+		}
+		for j, o := range cards {
+			if o.Card == c.Card {
+				return nil, d.errAt(cardAt, join(p, "card"), "duplicate card: %s names it too", index("card_thresholds", j))
+			}
+		}
+		if !dateRE.MatchString(c.Date) {
+			return nil, d.errAt(resolve(f["date"]), join(p, "date"), "want YYYY-MM-DD")
+		}
+		if !commitRE.MatchString(c.Commit) {
+			return nil, d.errAt(resolve(f["commit"]), join(p, "commit"), "want a git commit hash (7 to 40 lower-case hex digits)")
+		}
+		rows, err := d.seq(f["thresholds"], join(p, "thresholds"))
+		if err != nil {
 			return nil, err
 		}
+		if len(rows) == 0 {
+			return nil, d.errAt(resolve(f["thresholds"]), join(p, "thresholds"), "want at least one row (a card without rows uses the default table)")
+		}
+		if c.Rows, err = d.thresholdRows(rows, join(p, "thresholds")); err != nil {
+			return nil, err
+		}
+		cards = append(cards, c)
 	}
-	return t, nil
+	return cards, nil
 }
 
 // splitTable reads a token-split section (path: its key) whose rows give the twin's largest T

@@ -223,13 +223,41 @@ thresholds:
 	if g.Tuning.Rows[0].DType.Name != "bf16" || tu.Rows[0].DType.Name != "fp16" {
 		t.Errorf("rows not sorted in a copy: %+v", g.Tuning.Rows)
 	}
+	// card_thresholds: rows of other cards, sorted in the copy too, provenance their own.
+	cardsOK := ok + `card_thresholds:
+  - card: NVIDIA H100 80GB HBM3
+    date: 2025-02-01
+    commit: 89abcde
+    command: python -m arfuse.bench --tune
+    thresholds:
+      - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 16}
+      - {dtype: bf16, hidden: 4096, world_size: 2, oneshot_max_tokens: 64}
+`
+	tc, err := loadTuning(writeTemp(t, dir, "t.yaml", cardsOK))
+	if err == nil {
+		err = checkTuning(tc)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(tc.Cards) != 1 || tc.Cards[0].Card != "NVIDIA H100 80GB HBM3" || tc.Cards[0].Commit != "89abcde" ||
+		len(tc.Cards[0].Rows) != 2 || tc.Cards[0].Rows[0].OneshotMaxTokens != 16 || len(tc.Rows) != 2 {
+		t.Errorf("parsed card_thresholds %+v", tc.Cards)
+	}
+	if g := newGen("m.yaml", nil, nil, tc); g.Tuning.Cards[0].Rows[0].Hidden != 4096 || tc.Cards[0].Rows[0].Hidden != 7168 {
+		t.Errorf("card rows not sorted in a copy: %+v", g.Tuning.Cards)
+	}
 	head := "card: c\ndate: \"2025-01-31\"\ncommit: 0123456\ncommand: bench\n"
+	card := func(name string) string {
+		return "thresholds: []\ncard_thresholds:\n  - card: " + name + "\n    date: \"2025-02-01\"\n    commit: 89abcde\n    command: x\n    thresholds:\n"
+	}
+	row := "      - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 16}\n"
 	split := "thresholds: []\nmin_blocks_splits:\n  card: c\n  date: \"2025-01-31\"\n  commit: 0123456\n  command: x\n  rows:\n"
 	buffered := "thresholds: []\nbuffered_splits:\n  card: c\n  date: \"2025-01-31\"\n  commit: 0123456\n  command: x\n  rows:\n"
 	cases := []struct{ text, want string }{
 		{"card: \"\"\ndate: \"\"\ncommit: \"\"\ncommand: \"\"\nthresholds:\n  - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 1}\n",
 			`:1: card: "": required once thresholds has rows (say where they were measured)`},
-		{head + "thresholds: []\nextra: 1\n", `:6: extra: unknown key (want one of card, date, commit, command, thresholds, min_blocks_splits, buffered_splits)`},
+		{head + "thresholds: []\nextra: 1\n", `:6: extra: unknown key (want one of card, date, commit, command, thresholds, card_thresholds, min_blocks_splits, buffered_splits)`},
 		{"card: c\ndate: \"2025\"\ncommit: 0123456\ncommand: bench\nthresholds: []\n", `:2: date: "2025": want YYYY-MM-DD`},
 		{"card: c\ndate: 2025-01-31\ncommit: main\ncommand: bench\nthresholds: []\n", `:3: commit: "main": want a git commit hash (7 to 40 lower-case hex digits)`},
 		{"card: [c]\ndate: 2025-01-31\ncommit: 0123456\ncommand: bench\nthresholds: []\n", `:1: card: want a string, got a list`},
@@ -272,6 +300,23 @@ thresholds:
 			"buffered_splits:\n  card: c\n  date: \"2025-01-31\"\n  commit: 0123456\n  command: x\n  rows:\n" +
 			"    - {dtype: bf16, hidden: 4096, world_size: 8, algorithm: twoshot, out: norm, buffered_max_tokens: 64}\n",
 			`:19: buffered_splits.rows[0]: buffered_max_tokens 64 is above the unbound twin's 32 (min_blocks_splits): the buffered twin must serve the lowest token counts`},
+		// card_thresholds sections: provenance, a device name that can be matched, rows.
+		{head + card("c") + row, `:7: card_thresholds[0].card: "c": is the card of the default table: its rows go in thresholds`},
+		{head + card("h100") + row + "  - card: h100\n    date: \"2025-02-01\"\n    commit: 89abcde\n    command: x\n    thresholds:\n" + row,
+			`:13: card_thresholds[1].card: "h100": duplicate card: card_thresholds[0] names it too`},
+		{head + card(`'say "h100"'`) + row, `:7: card_thresholds[0].card: "say \"h100\"": want the device name as CUDA reports it (nvidia-smi --query-gpu=name): no quotes, backslashes or surrounding spaces`},
+		{head + card(`"h100 "`) + row, `:7: card_thresholds[0].card: "h100 ": want the device name as CUDA reports it (nvidia-smi --query-gpu=name): no quotes, backslashes or surrounding spaces`},
+		{head + card(`""`) + row, `:7: card_thresholds[0].card: "": required (say where the rows were measured)`},
+		{head + card("h100") + "      []\n", `:12: card_thresholds[0].thresholds: want at least one row (a card without rows uses the default table)`},
+		{head + "thresholds: []\ncard_thresholds:\n  - card: h100\n    date: \"2025-02-01\"\n    commit: 89abcde\n    thresholds: []\n", `:7: card_thresholds[0].command: required key missing`},
+		{head + "thresholds: []\ncard_thresholds:\n  - card: h100\n    date: \"2025-02\"\n    commit: 89abcde\n    command: x\n    thresholds:\n" + row, `:8: card_thresholds[0].date: "2025-02": want YYYY-MM-DD`},
+		{head + card("h100") + row + "      - {dtype: bf16, hidden: 7168, world_size: 8, oneshot_max_tokens: 32}\n",
+			`:13: card_thresholds[0].thresholds[1]: duplicate row: card_thresholds[0].thresholds[0] has the same dtype, hidden and world_size`},
+		{head + card("h100") + "      - {dtype: bf16, hidden: 7170, world_size: 8, oneshot_max_tokens: 16}\n",
+			`:12: card_thresholds[0].thresholds[0].hidden: 7170: hidden size not a multiple of the bf16 vector width 8 (16-byte vectors)`},
+		{head + card("h100") + "      - {dtype: bf16, hidden: 2048, world_size: 1, oneshot_max_tokens: 4}\n",
+			`:12: card_thresholds[0].thresholds[0].world_size: 1: world size 1 runs algorithm local only: there is no one-shot/two-shot threshold to tune`},
+		{head + "thresholds: []\ncard_thresholds: {card: h100}\n", `:6: card_thresholds: want a list, got a mapping`},
 	}
 	for _, c := range cases {
 		// Parsed by the model, the hidden size checked by the plan.

@@ -423,7 +423,11 @@ func (pl *planner) expand(m *Matrix) ([]*Variant, error) {
 // an instance the plan can build and whose plan asks for a blocks-per-SM bound (else there is
 // nothing to build without it).
 func checkTuning(t *Tuning) error {
-	for _, r := range t.Rows {
+	rows := slices.Clone(t.Rows)
+	for _, c := range t.Cards {
+		rows = append(rows, c.Rows...)
+	}
+	for _, r := range rows {
 		if r.World == 1 {
 			return r.WorldAt.Errorf("world size 1 runs algorithm %s only: there is no one-shot/two-shot threshold to tune", localAlgo().Name)
 		}

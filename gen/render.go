@@ -109,12 +109,17 @@ type tmplData struct {
 // newGen gathers what the templates print. Variants arrive sorted by name; tuning rows are
 // sorted here by (dtype, hidden, world size).
 func newGen(matrix string, only []string, variants []*Variant, tuning *Tuning) *Gen {
-	t := *tuning
-	t.Rows = slices.Clone(tuning.Rows)
-	slices.SortFunc(t.Rows, func(a, b Threshold) int {
+	byAxes := func(a, b Threshold) int {
 		return cmp.Or(cmp.Compare(dtypeIndex(a.DType), dtypeIndex(b.DType)),
 			cmp.Compare(a.Hidden, b.Hidden), cmp.Compare(a.World, b.World))
-	})
+	}
+	t := *tuning
+	t.Rows = slices.SortedFunc(slices.Values(tuning.Rows), byAxes)
+	t.Cards = nil
+	for _, c := range tuning.Cards { // in file order: the dispatch matches one name, order is moot
+		c.Rows = slices.SortedFunc(slices.Values(c.Rows), byAxes)
+		t.Cards = append(t.Cards, c)
+	}
 	g := &Gen{APIVersion: apiVersion, Matrix: matrix, Only: only, Variants: variants, Tuning: &t,
 		Ops: ops, OpsNS: opsNamespace, OutKinds: outKinds}
 	for _, key := range dispatchKeys {
@@ -215,12 +220,21 @@ type manifestPlan struct {
 type manifestTuning struct {
 	BufferedSplits  manifestSplitTable  `json:"buffered_splits"`
 	Card            string              `json:"card"`
+	CardThresholds  []manifestCardRows  `json:"card_thresholds"`
 	Command         string              `json:"command"`
 	Commit          string              `json:"commit"`
 	Date            string              `json:"date"`
 	File            string              `json:"file"`
 	MinBlocksSplits manifestSplitTable  `json:"min_blocks_splits"`
 	Thresholds      []manifestThreshold `json:"thresholds"`
+}
+
+type manifestCardRows struct {
+	Card       string              `json:"card"`
+	Command    string              `json:"command"`
+	Commit     string              `json:"commit"`
+	Date       string              `json:"date"`
+	Thresholds []manifestThreshold `json:"thresholds"`
 }
 
 type manifestSplitTable struct {
@@ -286,9 +300,20 @@ func renderManifest(g *Gen) ([]byte, error) {
 			},
 		})
 	}
-	for _, r := range g.Tuning.Rows {
-		m.Tuning.Thresholds = append(m.Tuning.Thresholds, manifestThreshold{
-			DType: r.DType.Name, Hidden: r.Hidden, OneshotMaxTokens: r.OneshotMaxTokens, WorldSize: r.World,
+	thresholds := func(rows []Threshold) []manifestThreshold {
+		out := []manifestThreshold{}
+		for _, r := range rows {
+			out = append(out, manifestThreshold{
+				DType: r.DType.Name, Hidden: r.Hidden, OneshotMaxTokens: r.OneshotMaxTokens, WorldSize: r.World,
+			})
+		}
+		return out
+	}
+	m.Tuning.Thresholds = thresholds(g.Tuning.Rows)
+	m.Tuning.CardThresholds = []manifestCardRows{}
+	for _, c := range g.Tuning.Cards {
+		m.Tuning.CardThresholds = append(m.Tuning.CardThresholds, manifestCardRows{
+			Card: c.Card, Command: c.Command, Commit: c.Commit, Date: c.Date, Thresholds: thresholds(c.Rows),
 		})
 	}
 	for _, r := range g.Tuning.Splits.Rows {

@@ -222,7 +222,7 @@ var ops = []Op{
 	{Name: "flush_launches", Signature: "(bool launch) -> int", Kernels: anywhere("flush_launches")},
 	{Name: "supported_variants", Signature: "() -> str[]", Kernels: anywhere("supported_variants")},
 	{Name: "instance_for", Signature: "(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind, int num_tokens=-1) -> str", Kernels: anywhere("instance_for")},
-	{Name: "oneshot_threshold", Signature: "(ScalarType dtype, int hidden, int world_size) -> int", Kernels: anywhere("oneshot_threshold")},
+	{Name: "oneshot_threshold", Signature: "(ScalarType dtype, int hidden, int world_size, str card=\"\") -> int", Kernels: anywhere("oneshot_threshold")},
 }
 
 // byName returns the entry of table called name, or nil.

@@ -158,6 +158,39 @@ def test_oneshot_threshold_default_rule(lib):
     assert arfuse.oneshot_threshold("fp16", 65536, 16) == 1  # at least one token
 
 
+def _default_rule(dtype: str, hidden: int, world_size: int) -> int:
+    elem = 4 if dtype == "fp32" else 2
+    return max(1, (1 << 20) // (world_size * hidden * elem))
+
+
+def test_oneshot_threshold_per_card(lib, manifest):
+    # variants/tuning.yaml card_thresholds: on a device of exactly that name a combination's row
+    # comes from its section, else from the default table, else the default rule; every other
+    # name ("" included: no device) gets the default table. The manifest is the generator's
+    # record of both; the library must agree with it on every row.
+    t = manifest["tuning"]
+    default = {(r["dtype"], r["hidden"], r["world_size"]): r["oneshot_max_tokens"]
+               for r in t["thresholds"]}
+    for sec in t["card_thresholds"]:
+        own = {(r["dtype"], r["hidden"], r["world_size"]): r["oneshot_max_tokens"]
+               for r in sec["thresholds"]}
+        assert own, sec["card"]
+        for key in sorted(default.keys() | own.keys()):
+            want = own.get(key, default.get(key))
+            assert arfuse.oneshot_threshold(*key, card=sec["card"]) == want, (sec["card"], key)
+            # matched exactly: a longer or shorter name is another card
+            for other in (sec["card"] + " NVL", sec["card"][:-1]):
+                assert arfuse.oneshot_threshold(*key, card=other) == default.get(key, _default_rule(*key))
+        assert arfuse.oneshot_threshold("fp16", 7168, 8, card=sec["card"]) == 9  # unmeasured: the rule
+    for key, want in default.items():
+        assert arfuse.oneshot_threshold(*key, card="") == want
+        assert arfuse.oneshot_threshold(*key, card="no such card") == want
+        if not torch.cuda.is_available():  # None: the current device's name, here none
+            assert arfuse.oneshot_threshold(*key) == want
+    with pytest.raises(TypeError, match="card: want a device name"):
+        arfuse.oneshot_threshold("bf16", 7168, 8, card=8)
+
+
 def test_meta_shapes(lib, comm):
     T = 5
     x = torch.empty(T, 3, H, dtype=torch.bfloat16, device="meta")

@@ -43,9 +43,18 @@ struct Threshold {
   int32_t oneshot_max_tokens;
 };
 
+// The crossovers measured on one card (variants/tuning.yaml card_thresholds): on a device whose
+// name (cudaDeviceProp::name) is exactly `card`, a combination's row is taken from here first.
+struct CardThresholds {
+  const char* card;
+  const Threshold* rows;
+  int32_t count;
+};
+
 // ---- generated (out/dispatch.cu) ----
 const Instance* instance_table(int* count);
-const Threshold* threshold_table(int* count);
+const Threshold* threshold_table(int* count);         // the default table (every card)
+const CardThresholds* card_threshold_tables(int* count);
 
 // ---- hand-written (csrc/dispatch.cpp) ----
 int vector_elems(DType dtype);  // elements per 16-byte access
@@ -58,8 +67,12 @@ const char* out_name(OutKind out);
 // one sentence naming the combination and the rule it breaks.
 const Instance* find_instance(DType dtype, int hidden, int world_size, Algo algo, OutKind out,
                               int64_t tokens, std::string* why);
-// One-shot for T <= this; a measured threshold if the tuning table has one, else the default rule.
-int oneshot_max_tokens(DType dtype, int hidden, int world_size);
+// The per-card table of the device named `card` (exact match), or nullptr: that card uses the
+// default table.
+const CardThresholds* card_thresholds(const std::string& card);
+// One-shot for T <= this: the row of `card` (card_thresholds(), may be nullptr) if it has one,
+// else the default table's row, else the default rule.
+int oneshot_max_tokens(DType dtype, int hidden, int world_size, const CardThresholds* card);
 // The default rule for unmeasured combinations (documented in docs/performance.md).
 int default_oneshot_max_tokens(DType dtype, int hidden, int world_size);
 

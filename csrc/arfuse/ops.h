@@ -93,6 +93,8 @@ std::vector<std::string> supported_variants();
 // The instance that serves the combination at num_tokens tokens (< 0: at every token count).
 std::string instance_for(ScalarType dtype, int64_t hidden, int64_t world_size, int64_t algorithm,
                          int64_t out_kind, int64_t num_tokens);
-int64_t oneshot_threshold(ScalarType dtype, int64_t hidden, int64_t world_size);
+// auto's one-shot limit for the combination on the card named `card` (the device name CUDA
+// reports; "" or a card without its own rows: the default table).
+int64_t oneshot_threshold(ScalarType dtype, int64_t hidden, int64_t world_size, std::string card);
 
 }  // namespace arfuse::ops

@@ -159,6 +159,13 @@ int64_t create(int64_t rank, int64_t world_size, int64_t hidden, ScalarType dtyp
   c->ranks_per_device = static_cast<int>(ranks_per_device);
   c->cuda = device.is_cuda();
   c->device_index = c->cuda ? (device.has_index() ? device.index() : current_device()) : -1;
+  if (c->cuda) {
+    cudaDeviceProp prop{};
+    const cudaError_t err = cudaGetDeviceProperties(&prop, c->device_index);
+    ARFUSE_CHECK(err == cudaSuccess, "device: reading the properties of CUDA device ",
+                 c->device_index, " failed: ", cudaGetErrorString(err));
+    c->card_rows = card_thresholds(prop.name);
+  }
   c->timeout_ns = static_cast<int64_t>(timeout_s * 1e9);
   // World size 1 runs the local algorithm: no peers, no exchange, so no Lamport buffer, control
   // block or error word (nothing is allocated; the kernel reads only the call's tensors).

@@ -14,6 +14,7 @@
 #include <torch/csrc/stable/device.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include "arfuse/dispatch.h"  // CardThresholds
 #include "arfuse/params.h"
 
 namespace arfuse::host {
@@ -32,6 +33,9 @@ struct Comm {
   int ranks_per_device = 1;
   bool cuda = false;       // false: a CPU communicator (world size 1, arfuse/_cpu.py computes)
   int device_index = -1;   // the CUDA device, or -1
+  // The one-shot/two-shot rows measured on this device's card (variants/tuning.yaml
+  // card_thresholds), or nullptr: the default table. Resolved once, at creation.
+  const CardThresholds* card_rows = nullptr;
   int64_t timeout_ns = 0;
   int64_t slot_elems = 0;  // rows_per_slot * hidden
   void* data = nullptr;

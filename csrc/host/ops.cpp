@@ -240,9 +240,9 @@ std::string instance_for(ScalarType dtype, int64_t hidden, int64_t world_size, i
   return inst ? std::string(inst->name) : std::string();
 }
 
-int64_t oneshot_threshold(ScalarType dtype, int64_t hidden, int64_t world_size) {
+int64_t oneshot_threshold(ScalarType dtype, int64_t hidden, int64_t world_size, std::string card) {
   return oneshot_max_tokens(host::to_dtype(dtype, "dtype"), static_cast<int>(hidden),
-                            static_cast<int>(world_size));
+                            static_cast<int>(world_size), card_thresholds(card));
 }
 
 }  // namespace arfuse::ops

@@ -27,7 +27,7 @@ STABLE_TORCH_LIBRARY(arfuse, m) {
   m.def("flush_launches(bool launch) -> int");
   m.def("supported_variants() -> str[]");
   m.def("instance_for(ScalarType dtype, int hidden, int world_size, int algorithm, int out_kind, int num_tokens=-1) -> str");
-  m.def("oneshot_threshold(ScalarType dtype, int hidden, int world_size) -> int");
+  m.def("oneshot_threshold(ScalarType dtype, int hidden, int world_size, str card=\"\") -> int");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(arfuse, CompositeExplicitAutograd, m) {
