@@ -176,6 +176,13 @@ class Communicator:
         self.device = torch.device("cuda", info[7]) if info[7] >= 0 else torch.device("cpu")
 
     @property
+    def auto_oneshot_max_tokens(self) -> int:
+        """algorithm="auto" runs one-shot for T <= this: the row measured on this device's card
+        (variants/tuning.yaml card_thresholds), else the default table's, else the default rule,
+        capped by oneshot_max_tokens. 0 at world size 1 (the local algorithm)."""
+        return int(torch.ops.arfuse.comm_info(self.handle)[11])
+
+    @property
     def handle(self) -> int:
         if self._handle is None:
             raise ValueError("arfuse: comm: this Communicator is closed")

@@ -146,6 +146,7 @@ def test_local_communicator_on_the_cpu(lib):
         assert (c.world_size, c.rank, c.device.type, c.max_tokens) == (1, 0, "cpu", 8)
         info = torch.ops.arfuse.comm_info(c.handle)
         assert info[9] == 0, "a world-size-1 communicator holds no exchange buffer"
+        assert c.auto_oneshot_max_tokens == info[11] == 0, "world size 1 runs local: no one-shot"
         with pytest.raises(ValueError, match="a CPU communicator has no IPC handle"):
             arfuse.comm._op("comm_ipc_handle", c.handle)
 

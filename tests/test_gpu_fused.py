@@ -484,6 +484,32 @@ def test_errors_before_launch(groups):
     assert group.status() == [0, 0]
 
 
+# ---- auto's one-shot limit comes from this card's rows (variants/tuning.yaml card_thresholds) ----
+def test_auto_threshold_is_this_cards_row():
+    # The manifest records the default table and every card's own rows; a communicator resolves
+    # its device's name once, at creation, and its auto limit must be that card's row where it
+    # has one, else the default table's (capped by oneshot_max_tokens).
+    with open(arfuse._lib.manifest_path()) as f:
+        tuning = json.load(f)["tuning"]
+    card = torch.cuda.get_device_name()
+    rows = {(r["dtype"], r["hidden"], r["world_size"]): r["oneshot_max_tokens"] for r in tuning["thresholds"]}
+    for sec in tuning["card_thresholds"]:
+        if sec["card"] == card:
+            rows.update({(r["dtype"], r["hidden"], r["world_size"]): r["oneshot_max_tokens"]
+                         for r in sec["thresholds"]})
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    served = [k for k in sorted(rows) if arfuse.supported(k[0], k[1], k[2])][:4]
+    assert served, "no measured row has an instance in this build"
+    for dtype, hidden, world in served:
+        want = rows[(dtype, hidden, world)]
+        assert arfuse.oneshot_threshold(dtype, hidden, world) == want, (card, dtype, hidden, world)
+        with LocalGroup(world, max_tokens=4 * want, hidden=hidden, dtype=names[dtype]) as g:
+            assert [c.auto_oneshot_max_tokens for c in g.comms] == [want] * world, (card, hidden, world)
+        with LocalGroup(world, max_tokens=4 * want, hidden=hidden, dtype=names[dtype],
+                        oneshot_max_tokens=max(1, want // 2)) as g:
+            assert g.comms[0].auto_oneshot_max_tokens == max(1, want // 2)
+
+
 # ---- a rank that never arrives: the kernel gives up, outputs NaN, the communicator is broken ----
 def test_mismatched_ranks_time_out_instead_of_hanging():
     world, hidden, dtype = 2, 2048, torch.bfloat16

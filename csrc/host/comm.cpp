@@ -1,6 +1,7 @@
 // arfuse host code: communicators and their registry (comm.h).
 #include "host/comm.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -280,7 +281,10 @@ std::vector<int64_t> info(const Comm& c) {
           c.cuda ? c.device_index : -1,
           c.peers_ready ? 1 : 0,
           c.slot_elems,
-          c.pdl ? 1 : 0};
+          c.pdl ? 1 : 0,
+          c.world == 1 ? 0
+                       : std::min<int64_t>(c.oneshot_cap,
+                                           oneshot_max_tokens(c.dtype, c.hidden, c.world, c.card_rows))};
 }
 
 void set_pdl(Comm& c, bool enable) {
