@@ -320,7 +320,9 @@ def tuning_yaml(*, card: str, date: str, commit: str | None, command: str, rows:
     import json
 
     lines = ["# Measured by python -m arfuse.bench --tune" + (f" ({mode})" if mode else "") +
-             "; merge the thresholds rows into variants/tuning.yaml."]
+             "; merge the thresholds rows into variants/tuning.yaml: into its thresholds where this"
+             " card is the default table's, else into a card_thresholds section of this card"
+             " (card, date, commit and command as below)."]
     lines += [f"# warning: {w}" for w in warnings]
     lines += [f"card: {json.dumps(card or '')}", f"date: {json.dumps(date[:10])}",
               f"commit: {json.dumps(commit or '')}", f"command: {json.dumps(command)}",
