@@ -530,14 +530,8 @@ func (d *doc) cardSections(n *yaml.Node, defaultCard string) ([]CardRows, error)
 			return nil, err
 		}
 		var c CardRows
-		vals := map[string]*string{"card": &c.Card, "date": &c.Date, "commit": &c.Commit, "command": &c.Command}
-		for _, k := range header {
-			if *vals[k], err = d.tuningText(f[k], join(p, k)); err != nil {
-				return nil, err
-			}
-			if *vals[k] == "" {
-				return nil, d.errAt(resolve(f[k]), join(p, k), "required (say where the rows were measured)")
-			}
+		if c.Provenance, err = d.provenance(f, p); err != nil {
+			return nil, err
 		}
 		cardAt := resolve(f["card"])
 		if strings.ContainsAny(c.Card, "\"\\") || strings.TrimSpace(c.Card) != c.Card {
@@ -550,12 +544,6 @@ func (d *doc) cardSections(n *yaml.Node, defaultCard string) ([]CardRows, error)
 			if o.Card == c.Card {
 				return nil, d.errAt(cardAt, join(p, "card"), "duplicate card: %s names it too", index("card_thresholds", j))
 			}
-		}
-		if !dateRE.MatchString(c.Date) {
-			return nil, d.errAt(resolve(f["date"]), join(p, "date"), "want YYYY-MM-DD")
-		}
-		if !commitRE.MatchString(c.Commit) {
-			return nil, d.errAt(resolve(f["commit"]), join(p, "commit"), "want a git commit hash (7 to 40 lower-case hex digits)")
 		}
 		rows, err := d.seq(f["thresholds"], join(p, "thresholds"))
 		if err != nil {
@@ -572,6 +560,30 @@ func (d *doc) cardSections(n *yaml.Node, defaultCard string) ([]CardRows, error)
 	return cards, nil
 }
 
+// provenance reads the card, date, commit and command of a section of measured rows (path: the
+// section), all required: the rows are measurements and say where they were made.
+func (d *doc) provenance(f map[string]*yaml.Node, path string) (Provenance, error) {
+	var pv Provenance
+	vals := map[string]*string{"card": &pv.Card, "date": &pv.Date, "commit": &pv.Commit, "command": &pv.Command}
+	for _, k := range []string{"card", "date", "commit", "command"} {
+		v, err := d.tuningText(f[k], join(path, k))
+		if err != nil {
+			return pv, err
+		}
+		if v == "" {
+			return pv, d.errAt(resolve(f[k]), join(path, k), "required (say where the rows were measured)")
+		}
+		*vals[k] = v
+	}
+	if !dateRE.MatchString(pv.Date) {
+		return pv, d.errAt(resolve(f["date"]), join(path, "date"), "want YYYY-MM-DD")
+	}
+	if !commitRE.MatchString(pv.Commit) {
+		return pv, d.errAt(resolve(f["commit"]), join(path, "commit"), "want a git commit hash (7 to 40 lower-case hex digits)")
+	}
+	return pv, nil
+}
+
 // splitTable reads a token-split section (path: its key) whose rows give the twin's largest T
 // in the field tokensKey: a provenance header (required, as the rows are measured) and its rows.
 func (d *doc) splitTable(n *yaml.Node, path, tokensKey string) (SplitTable, error) {
@@ -582,20 +594,8 @@ func (d *doc) splitTable(n *yaml.Node, path, tokensKey string) (SplitTable, erro
 	if err != nil {
 		return t, err
 	}
-	vals := map[string]*string{"card": &t.Card, "date": &t.Date, "commit": &t.Commit, "command": &t.Command}
-	for _, k := range header {
-		if *vals[k], err = d.tuningText(f[k], join(path, k)); err != nil {
-			return t, err
-		}
-		if *vals[k] == "" {
-			return t, d.errAt(resolve(f[k]), join(path, k), "required (say where the rows were measured)")
-		}
-	}
-	if !dateRE.MatchString(t.Date) {
-		return t, d.errAt(resolve(f["date"]), join(path, "date"), "want YYYY-MM-DD")
-	}
-	if !commitRE.MatchString(t.Commit) {
-		return t, d.errAt(resolve(f["commit"]), join(path, "commit"), "want a git commit hash (7 to 40 lower-case hex digits)")
+	if t.Provenance, err = d.provenance(f, path); err != nil {
+		return t, err
 	}
 	items, err := d.seq(f["rows"], join(path, "rows"))
 	if err != nil {
