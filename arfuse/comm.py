@@ -128,12 +128,24 @@ class Communicator:
                 info = torch.ops.arfuse.comm_info(handle)
                 settings = {"world_size": info[1], "hidden": info[2], "dtype": info[3],
                             "max_tokens": info[4], "oneshot_max_tokens": info[5],
-                            "slot_elems": info[9]}
+                            "slot_elems": info[9], "auto_oneshot_max_tokens": info[11],
+                            "card": torch.cuda.get_device_name(info[7])}
                 mine = (settings, torch.ops.arfuse.comm_ipc_handle(handle).tolist())
                 gathered: list = [None] * world
                 dist.all_gather_object(gathered, mine, group=group)
                 for peer, (theirs, _) in enumerate(gathered):
                     for key, value in settings.items():
+                        if key == "card":
+                            continue
+                        if key == "auto_oneshot_max_tokens" and theirs[key] != value:
+                            # Each rank reads its own card's dispatch rows: ranks that disagree
+                            # would run different algorithms for one call (a timeout, not a sum).
+                            raise ValueError(
+                                f"arfuse: Communicator: rank {peer} ({theirs['card']}) would run "
+                                f"one-shot for T <= {theirs[key]}, rank {rank} ({settings['card']}) "
+                                f"for T <= {value}: the one-shot/two-shot rows of their cards differ "
+                                "(variants/tuning.yaml card_thresholds); every rank of a group must "
+                                "run on the same kind of card. Nothing was opened.")
                         if theirs[key] != value:
                             raise ValueError(
                                 f"arfuse: Communicator: rank {peer} was created with {key}="
@@ -177,7 +189,8 @@ class Communicator:
 
     @property
     def auto_oneshot_max_tokens(self) -> int:
-        """algorithm="auto" runs one-shot for T <= this: the row measured on this device's card
+        """algorithm="auto" runs one-shot for T <= this, where both algorithms are built for the
+        combination (else the one that is): the row measured on this device's card
         (variants/tuning.yaml card_thresholds), else the default table's, else the default rule,
         capped by oneshot_max_tokens. 0 at world size 1 (the local algorithm)."""
         return int(torch.ops.arfuse.comm_info(self.handle)[11])

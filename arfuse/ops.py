@@ -206,7 +206,9 @@ def oneshot_threshold(dtype, hidden: int, world_size: int, card: str | None = No
     """auto dispatch uses one-shot for T <= this on the card named ``card``: the row measured on
     that card (variants/tuning.yaml card_thresholds), else the default table's row, else the
     default rule. ``card`` is the device name CUDA reports (torch.cuda.get_device_name());
-    None: the current CUDA device's, or the default table where there is no CUDA device."""
+    None: the current CUDA device's (which initialises CUDA in this process, as any
+    torch.cuda.get_device_name() does: pass the name before a fork), or the default table where
+    there is no CUDA device. A communicator's own limit is Communicator.auto_oneshot_max_tokens."""
     _lib.require()
     if card is None:
         card = torch.cuda.get_device_name() if torch.cuda.is_available() else ""

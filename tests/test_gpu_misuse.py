@@ -132,6 +132,22 @@ def test_closed_rank_refused_before_launch(lib):
         assert group.comms[0].status() == 0  # nothing waited for the closed rank
 
 
+def test_unusable_device_refused_and_no_error_left_behind(lib):
+    # The communicator reads its card's name (its dispatch rows) at creation: a device that does
+    # not exist is one ValueError naming it, and the CUDA error it raised is not left for the
+    # next launch's check to report.
+    from arfuse.comm import local_communicator
+
+    n = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=f"device: cuda:{n} cannot be used"):
+        local_communicator(max_tokens=8, hidden=H, dtype=DT, device=f"cuda:{n}")
+    with local_communicator(max_tokens=8, hidden=H, dtype=DT) as c:
+        x, r, g = rand(3, H), rand(3, H), rand(H)
+        norm, _ = arfuse.moe_finalize_allreduce_rmsnorm(c, x, r, g, 1e-6)
+        torch.cuda.synchronize()
+        assert norm.isfinite().all()
+
+
 def test_bad_argument_during_capture_leaves_a_clean_capture(group):
     T = 4
     xs, r, g = [rand(T, H) for _ in range(2)], rand(T, H), rand(H)

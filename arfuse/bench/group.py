@@ -164,10 +164,16 @@ def close_setup(setup: Setup) -> None:
 
 
 def oneshot_threshold(setup: Setup):
-    """T <= this runs one-shot under auto: the library's threshold, capped by the communicator's
-    one-shot capacity (max_tokens here)."""
-    fn = getattr(setup.ar, "oneshot_threshold", None)
-    if fn is None:
-        return None
-    thr = int(fn(setup.dtype, setup.args.hidden, setup.world_size))
+    """T <= this runs one-shot under auto: the communicator's own limit (its card's dispatch row,
+    capped by its one-shot capacity), else the library's threshold for the current device, capped
+    by the largest T asked for."""
+    comm = setup.comm if setup.comm is not None else (
+        setup.group.comms[0] if setup.group is not None else None)
+    if setup.world_size > 1 and comm is not None and hasattr(comm, "auto_oneshot_max_tokens"):
+        thr = int(comm.auto_oneshot_max_tokens)
+    else:
+        fn = getattr(setup.ar, "oneshot_threshold", None)
+        if fn is None:
+            return None
+        thr = int(fn(setup.dtype, setup.args.hidden, setup.world_size))
     return min(thr, max(setup.args.tokens))

@@ -163,8 +163,9 @@ int64_t create(int64_t rank, int64_t world_size, int64_t hidden, ScalarType dtyp
   if (c->cuda) {
     cudaDeviceProp prop{};
     const cudaError_t err = cudaGetDeviceProperties(&prop, c->device_index);
-    ARFUSE_CHECK(err == cudaSuccess, "device: reading the properties of CUDA device ",
-                 c->device_index, " failed: ", cudaGetErrorString(err));
+    if (err != cudaSuccess) (void)cudaGetLastError();  // not left for the next launch's check
+    ARFUSE_CHECK_VALUE(err == cudaSuccess, "device: cuda:", c->device_index, " cannot be used (",
+                       cudaGetErrorString(err), ")");
     c->card_rows = card_thresholds(prop.name);
   }
   c->timeout_ns = static_cast<int64_t>(timeout_s * 1e9);

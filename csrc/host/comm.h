@@ -78,7 +78,8 @@ std::vector<uint8_t> ipc_handle(const Comm& c);
 // communicator launches anything; a CPU one refuses (ValueError naming the rule).
 void set_pdl(Comm& c, bool enable);
 // [rank, world, hidden, dtype, max_tokens, oneshot_cap, ranks_per_device, device index or -1,
-//  peers ready, slot_elems, pdl, auto's one-shot limit (one-shot for T <= this under auto, from
+//  peers ready, slot_elems, pdl, auto's one-shot limit (one-shot for T <= this under auto where
+//  both algorithms are built, from
 //  this device's card row or the default table, capped by oneshot_cap; 0 at world size 1)]
 std::vector<int64_t> info(const Comm& c);
 
