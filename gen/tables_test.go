@@ -254,3 +254,16 @@ func TestPythonVocabulary(t *testing.T) {
 		t.Errorf("arfuse/_vocab.py _TABLES is not gen/tables.go:\n got %s\nwant %s", g, w)
 	}
 }
+
+// The registration template prints each schema with %q (a quote in a default value, such as
+// oneshot_threshold's card="", must be escaped in the C++ literal). %q's escapes are C++ escapes
+// only for printable ASCII: a \xNN would swallow the hex digits after it in C++.
+func TestOpSignaturesArePrintableASCII(t *testing.T) {
+	for _, op := range ops {
+		for _, c := range op.Name + op.Signature {
+			if c < 0x20 || c > 0x7e {
+				t.Errorf("op %s: schema character %q is not printable ASCII", op.Name, c)
+			}
+		}
+	}
+}
