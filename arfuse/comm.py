@@ -128,30 +128,29 @@ class Communicator:
                 info = torch.ops.arfuse.comm_info(handle)
                 settings = {"world_size": info[1], "hidden": info[2], "dtype": info[3],
                             "max_tokens": info[4], "oneshot_max_tokens": info[5],
-                            "slot_elems": info[9], "auto_oneshot_max_tokens": info[11],
-                            "card": torch.cuda.get_device_name(info[7])}
-                mine = (settings, torch.ops.arfuse.comm_ipc_handle(handle).tolist())
+                            "slot_elems": info[9], "auto_oneshot_max_tokens": info[11]}
+                card = torch.cuda.get_device_name(info[7])
+                mine = (settings, card, torch.ops.arfuse.comm_ipc_handle(handle).tolist())
                 gathered: list = [None] * world
                 dist.all_gather_object(gathered, mine, group=group)
-                for peer, (theirs, _) in enumerate(gathered):
+                for peer, (theirs, their_card, _) in enumerate(gathered):
                     for key, value in settings.items():
-                        if key == "card":
+                        if theirs[key] == value:
                             continue
-                        if key == "auto_oneshot_max_tokens" and theirs[key] != value:
+                        if key == "auto_oneshot_max_tokens":
                             # Each rank reads its own card's dispatch rows: ranks that disagree
                             # would run different algorithms for one call (a timeout, not a sum).
                             raise ValueError(
-                                f"arfuse: Communicator: rank {peer} ({theirs['card']}) would run "
-                                f"one-shot for T <= {theirs[key]}, rank {rank} ({settings['card']}) "
-                                f"for T <= {value}: the one-shot/two-shot rows of their cards differ "
+                                f"arfuse: Communicator: rank {peer} ({their_card}) would run "
+                                f"one-shot for T <= {theirs[key]}, rank {rank} ({card}) for "
+                                f"T <= {value}: the one-shot/two-shot rows of their cards differ "
                                 "(variants/tuning.yaml card_thresholds); every rank of a group must "
                                 "run on the same kind of card. Nothing was opened.")
-                        if theirs[key] != value:
-                            raise ValueError(
-                                f"arfuse: Communicator: rank {peer} was created with {key}="
-                                f"{theirs[key]}, rank {rank} with {value}: every rank of the group "
-                                "must pass the same max_tokens, hidden, dtype and oneshot_max_tokens")
-                handles = [h for _, h in gathered]
+                        raise ValueError(
+                            f"arfuse: Communicator: rank {peer} was created with {key}="
+                            f"{theirs[key]}, rank {rank} with {value}: every rank of the group "
+                            "must pass the same max_tokens, hidden, dtype and oneshot_max_tokens")
+                handles = [h for _, _, h in gathered]
                 _op("comm_open_peers", handle, torch.tensor(handles, dtype=torch.uint8))
                 # Every rank has opened every peer before anyone launches into them.
                 dist.barrier(group=group)

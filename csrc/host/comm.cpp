@@ -166,7 +166,12 @@ int64_t create(int64_t rank, int64_t world_size, int64_t hidden, ScalarType dtyp
     if (err != cudaSuccess) (void)cudaGetLastError();  // not left for the next launch's check
     ARFUSE_CHECK_VALUE(err == cudaSuccess, "device: cuda:", c->device_index, " cannot be used (",
                        cudaGetErrorString(err), ")");
-    c->card_rows = card_thresholds(prop.name);
+    if (world_size > 1) {
+      c->auto_oneshot = std::min<int64_t>(
+          oneshot_max_tokens, arfuse::oneshot_max_tokens(dt, static_cast<int>(hidden),
+                                                         static_cast<int>(world_size),
+                                                         card_thresholds(prop.name)));
+    }
   }
   c->timeout_ns = static_cast<int64_t>(timeout_s * 1e9);
   // World size 1 runs the local algorithm: no peers, no exchange, so no Lamport buffer, control
@@ -283,9 +288,7 @@ std::vector<int64_t> info(const Comm& c) {
           c.peers_ready ? 1 : 0,
           c.slot_elems,
           c.pdl ? 1 : 0,
-          c.world == 1 ? 0
-                       : std::min<int64_t>(c.oneshot_cap,
-                                           oneshot_max_tokens(c.dtype, c.hidden, c.world, c.card_rows))};
+          c.auto_oneshot};
 }
 
 void set_pdl(Comm& c, bool enable) {

@@ -14,7 +14,6 @@
 #include <torch/csrc/stable/device.h>
 #include <torch/headeronly/core/ScalarType.h>
 
-#include "arfuse/dispatch.h"  // CardThresholds
 #include "arfuse/params.h"
 
 namespace arfuse::host {
@@ -33,9 +32,11 @@ struct Comm {
   int ranks_per_device = 1;
   bool cuda = false;       // false: a CPU communicator (world size 1, arfuse/_cpu.py computes)
   int device_index = -1;   // the CUDA device, or -1
-  // The one-shot/two-shot rows measured on this device's card (variants/tuning.yaml
-  // card_thresholds), or nullptr: the default table. Resolved once, at creation.
-  const CardThresholds* card_rows = nullptr;
+  // auto runs one-shot for T <= this (where both algorithms are built): this device's card row
+  // (variants/tuning.yaml card_thresholds), else the default table's, else the default rule,
+  // capped by oneshot_cap; 0 at world size 1. The communicator's dtype, hidden and world size
+  // are fixed, so it is decided once, at creation.
+  int64_t auto_oneshot = 0;
   int64_t timeout_ns = 0;
   int64_t slot_elems = 0;  // rows_per_slot * hidden
   void* data = nullptr;
@@ -78,9 +79,7 @@ std::vector<uint8_t> ipc_handle(const Comm& c);
 // communicator launches anything; a CPU one refuses (ValueError naming the rule).
 void set_pdl(Comm& c, bool enable);
 // [rank, world, hidden, dtype, max_tokens, oneshot_cap, ranks_per_device, device index or -1,
-//  peers ready, slot_elems, pdl, auto's one-shot limit (one-shot for T <= this under auto where
-//  both algorithms are built, from
-//  this device's card row or the default table, capped by oneshot_cap; 0 at world size 1)]
+//  peers ready, slot_elems, pdl, auto_oneshot]
 std::vector<int64_t> info(const Comm& c);
 
 }  // namespace arfuse::host

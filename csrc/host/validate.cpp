@@ -214,8 +214,7 @@ void choose_instance(Checked& k, const Comm& c, int64_t algorithm) {
   std::string why;
   if (algo == Algo::kAuto && c.world == 1) algo = Algo::kLocal;
   if (algo == Algo::kAuto) {
-    const int64_t limit = std::min<int64_t>(c.oneshot_cap, oneshot_max_tokens(c.dtype, H, c.world, c.card_rows));
-    algo = k.T <= limit ? Algo::kOneShot : Algo::kTwoShot;
+    algo = k.T <= c.auto_oneshot ? Algo::kOneShot : Algo::kTwoShot;  // H == c.hidden (checked)
     if (find_instance(c.dtype, H, c.world, algo, k.out, k.T, nullptr) == nullptr) {
       const Algo other = algo == Algo::kOneShot ? Algo::kTwoShot : Algo::kOneShot;
       if ((other == Algo::kTwoShot || k.T <= c.oneshot_cap) &&
