@@ -11,6 +11,9 @@
 #           scripts/remeasure.sh c2 $OUT    the twelve tables, then --tune        -> OUT/c2.tgz, tune.tgz
 #           scripts/remeasure.sh c3 $OUT    the rest of --tune, then the A/B of this tree against
 #                                           .snap/base, two-shot forced, T = 16 ... 8192
+#           scripts/remeasure.sh c4 $OUT    the latency ladder, world size 1 (issue 21's runs), fp16,
+#                                           the dense and the plain layout, then the rest of --tune
+#                                                                                 -> OUT/c4.tgz
 #   carry ["build/remeasure"]. A call unpacks the archives once per warm machine; the --tune set
 #   (scripts/gpu-session.sh BENCH_TUNE=1 RESUME=1 in /tmp/tune) goes on where the last call on the
 #   same warm machine stopped. The libraries are of the working tree, the snapshot of BASE_REF.
@@ -85,5 +88,19 @@ case $cmd in
       DEADLINE_S=$(( ${DL:-555} - $(el) )) \
       AB_CONFIGS="qwen3-30b-a3b 2;gpt-oss-120b 8;qwen3-30b-a3b 8;qwen3-235b-a22b 2;gpt-oss-120b 2;qwen3-235b-a22b 8;deepseek-v3 8;gpt-oss-120b 4;qwen3-30b-a3b 4;qwen3-235b-a22b 4;deepseek-v3 4;deepseek-v3 2" \
       scripts/kernel_ab.sh "$OUT" .snap/base 2>&1 | tail -n 100 ;;
-  *) echo "scripts/remeasure.sh: unknown command '$cmd' (pack, c1, c2, c3)"; exit 2 ;;
+  c4)  # the ladder, world size 1, the other dtypes and layouts, then the rest of --tune
+    rm -rf /tmp/c4 && mkdir -p /tmp/c4
+    toks="--tokens 1,2,4,8,16,32,64,256,1024,8192"
+    PREBUILT=1 SKIP_CHECK=1 BENCH_QUANT="" BENCH_LADDER=1 BENCH_LOCAL=1 BENCH_DIR=/tmp/c4/bench-a \
+      DEADLINE_S=$(( ${DL:-555} - 150 - $(el) )) scripts/gpu-session.sh /tmp/c4/a 2>&1 | tee /tmp/c4/a.log
+    for spec in "fp16:deepseek-v3:8:--dtype fp16" "dense:deepseek-v3:8:--layout dense" \
+                "plain:qwen3-235b-a22b:4:--layout plain"; do
+      IFS=: read -r name m n args <<<"$spec"
+      PREBUILT=1 SKIP_CHECK=1 BENCH_QUANT="" BENCH_MODELS=$m BENCH_WORLDS=$n BENCH_ARGS="$toks $args" \
+        BENCH_DIR=/tmp/c4/bench-$name DEADLINE_S=$(( ${DL:-555} - 40 - $(el) )) \
+        scripts/gpu-session.sh /tmp/c4/$name 2>&1 | tee /tmp/c4/$name.log
+    done
+    tar czf "$OUT/c4.tgz" -C /tmp c4
+    tune ${DL:-555} ;;
+  *) echo "scripts/remeasure.sh: unknown command '$cmd' (pack, c1, c2, c3, c4)"; exit 2 ;;
 esac
