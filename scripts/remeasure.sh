@@ -92,9 +92,9 @@ case $cmd in
     rm -rf /tmp/c4 && mkdir -p /tmp/c4
     toks="--tokens 1,2,4,8,16,32,64,256,1024,8192"
     PREBUILT=1 SKIP_CHECK=1 BENCH_QUANT="" BENCH_LADDER=1 BENCH_LOCAL=1 BENCH_DIR=/tmp/c4/bench-a \
-      DEADLINE_S=$(( ${DL:-555} - 150 - $(el) )) scripts/gpu-session.sh /tmp/c4/a 2>&1 | tee /tmp/c4/a.log
+      DEADLINE_S=$(( ${DL:-555} - 170 - $(el) )) scripts/gpu-session.sh /tmp/c4/a 2>&1 | tee /tmp/c4/a.log
     for spec in "fp16:deepseek-v3:8:--dtype fp16" "dense:deepseek-v3:8:--layout dense" \
-                "plain:qwen3-235b-a22b:4:--layout plain"; do
+                "plain:qwen3-235b-a22b:4:--layout plain" "plain-gptoss:gpt-oss-120b:2:--layout plain"; do
       IFS=: read -r name m n args <<<"$spec"
       PREBUILT=1 SKIP_CHECK=1 BENCH_QUANT="" BENCH_MODELS=$m BENCH_WORLDS=$n BENCH_ARGS="$toks $args" \
         BENCH_DIR=/tmp/c4/bench-$name DEADLINE_S=$(( ${DL:-555} - 40 - $(el) )) \
