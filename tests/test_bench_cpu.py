@@ -716,7 +716,8 @@ def test_ladder_table_from_synthetic_rungs():
     from arfuse.bench import ladder
 
     ns = ladder.build_parser().parse_args(["--model", "deepseek-v3", "--world-size", "8"])
-    med = {"empty": 3.0, "floor": 7.0, "plain": 8.0, "dense": 9.0, "dense_nw": 8.5,
+    med = {"empty": 3.0, "floor": 7.0, "safe_floor": 7.25, "plain": 8.0, "dense": 9.0,
+           "dense_nw": 8.5,
            "permuted": 9.5, "shared": 10.0, "scaled": 10.0}
     res = {r: {1: BR.new_row("arfuse", 1, median_us=m), 16: BR.new_row("arfuse", 16, note="x")}
            for r, m in med.items()}
@@ -724,6 +725,7 @@ def test_ladder_table_from_synthetic_rungs():
     rows = {l.split("|")[1].strip(): [c.strip() for c in l.strip("|").split("|")]
             for l in md.splitlines() if l.startswith("| ") and not l.startswith("| rung")}
     assert rows["empty"][2] == "3.00" and rows["floor"][2] == "7.00 (+4.00)"
+    assert rows["safe_floor"][2] == "7.25 (+0.25)" and rows["plain"][2] == "8.00 (+0.75)"
     assert rows["dense_nw"][2] == "8.50 (-0.50)"      # beside dense ...
     assert rows["permuted"][2] == "9.50 (+0.50)"      # ... so permuted is compared with dense
     assert rows["scaled"][3] == "skip" and "- scaled T=16: x" in md

@@ -7,7 +7,11 @@ adding one thing to the one before:
 
     empty       one empty kernel per rank (what a graph node of N concurrent kernels costs)
     floor       csrc/bench/floor.cu: push, poll, sum, residual add, RMSNorm and nothing else
-                (no finalize, no epoch or completion step, no grid cap, no timeout)
+                (no finalize, no epoch or completion step, no grid cap, no timeout; the caller
+                hands each call its buffer slot, which only a graph of distinct launches can do)
+    safe_floor  the floor made replay-safe: its slot from a per-rank epoch in device memory,
+                block 0 advancing it once every block has arrived (what any protocol whose
+                graph is replayed unchanged must add; still no grid cap, no timeout)
     plain       arfuse on a reduced [T, H] input: its all-reduce + RMSNorm alone
     dense       + the finalize of dense [T, K, H] rows with float32 router weights
     dense_nw    the finalize of dense rows without weights (vLLM's weighted rows, issue 13)
@@ -41,6 +45,7 @@ from . import report as BR
 RUNGS = {  # name -> (what it adds, python -m arfuse.bench arguments)
     "empty": ("one empty kernel per rank", ["--layout", "plain", "--no-shared"]),
     "floor": ("push, poll, sum, norm only", ["--layout", "plain", "--no-shared"]),
+    "safe_floor": ("+ epoch and completion in memory", ["--layout", "plain", "--no-shared"]),
     "plain": ("arfuse, reduced input", ["--layout", "plain", "--no-shared"]),
     "dense": ("+ dense finalize, weights", ["--layout", "dense", "--no-shared"]),
     "dense_nw": ("dense rows, no weights", ["--layout", "dense", "--no-shared",
@@ -49,7 +54,7 @@ RUNGS = {  # name -> (what it adds, python -m arfuse.bench arguments)
     "shared": ("+ shared row", ["--layout", "permuted"]),
     "scaled": ("+ routed_scaling", ["--layout", "permuted", "--routed-scaling", "2.5"]),
 }
-CUSTOM = ("empty", "floor")  # rungs that are not an arfuse call
+CUSTOM = ("empty", "floor", "safe_floor")  # rungs that are not an arfuse call
 GRAPH_CALLS = 24  # a multiple of 3: the floor's slot of call c is c % 3 (floor.cu)
 
 
@@ -135,7 +140,7 @@ class FloorLib:
         self.lib.floor_launch.restype = ctypes.c_int
         self.lib.floor_launch.argtypes = [ctypes.c_void_p] * 5 + [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_float, ctypes.c_void_p]
+            ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p]
         self.lib.empty_launch.argtypes = [ctypes.c_void_p]
         if self.lib.world_size() != world:
             raise RuntimeError(f"{path}: built for world size {self.lib.world_size()}, not {world}")
@@ -145,7 +150,7 @@ class FloorLib:
 
 
 def _impls(floor: FloorLib):
-    """The two custom rungs as implementations of arfuse.bench.impls (imported with torch)."""
+    """The custom rungs as implementations of arfuse.bench.impls (imported with torch)."""
     import torch
 
     from .impls import PerRank, Skip
@@ -162,9 +167,10 @@ def _impls(floor: FloorLib):
     class Floor(PerRank):
         """Each rank's buffer holds 3 slots of [T][N][H], all -0.0 (the sentinel) at the start;
         outputs are allocated once, before any launch (an allocation between two ranks'
-        launches could synchronise with a spinning kernel)."""
+        launches could synchronise with a spinning kernel). safe: each rank's slot comes from
+        its own {epoch, arrivals} in device memory (zero at the start), not from the launch."""
 
-        def __init__(self, setup, sets, T):
+        def __init__(self, setup, sets, T, safe=False):
             super().__init__(setup, sets)
             N, H = setup.world_size, setup.args.hidden
             props = torch.cuda.get_device_properties(setup.device)
@@ -182,6 +188,8 @@ def _impls(floor: FloorLib):
                              torch.empty(T, H, dtype=setup.dtype, device=setup.device))
                          for r in setup.ranks}
             self.calls = {r: 0 for r in setup.ranks}
+            self.counters = ({r: torch.zeros(2, dtype=torch.int32, device=setup.device)
+                              for r in setup.ranks} if safe else None)
             self.T = T
 
         def call(self, rank, comm, inp):
@@ -193,13 +201,15 @@ def _impls(floor: FloorLib):
                 inp.expert_out.data_ptr(), inp.residual.data_ptr(), st.gamma.data_ptr(),
                 norm.data_ptr(), res.data_ptr(), self.ptrs, self.slot_elems, rank, self.T,
                 st.args.hidden, slot, float(st.args.eps),
+                self.counters[rank].data_ptr() if self.counters else None,
                 ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
             if err:
                 raise RuntimeError(f"floor kernel launch failed ({err})")
             return norm, res
 
     return {"empty": lambda setup, sets, T: Empty(setup, sets),
-            "floor": lambda setup, sets, T: Floor(setup, sets, T)}
+            "floor": lambda setup, sets, T: Floor(setup, sets, T),
+            "safe_floor": lambda setup, sets, T: Floor(setup, sets, T, safe=True)}
 
 
 # ---------------------------------------------------------------- the run
@@ -235,7 +245,7 @@ def markdown(ns, lad: dict, tokens: list[int]) -> str:
     lines = [f"### Ladder: {ns.model}, N={ns.world_size}, bf16 (emulated on one GPU) — "
              f"{lad['card']}", "",
              "Median µs per call under CUDA-graph replay; in parentheses the difference to the "
-             "rung above (the first arfuse rung is compared with the floor).", "",
+             "rung above (the first arfuse rung is compared with the safe floor).", "",
              "| rung | adds | " + " | ".join(f"T={t}" for t in tokens) + " |",
              "|---|---|" + "---:|" * len(tokens)]
     prev = None

@@ -6,6 +6,14 @@
 // epoch or completion counter (the caller passes the slot: call c of a graph uses slot c % 3),
 // no timeout, no grid cap: one block per token, one 16-byte vector per thread.
 //
+// The safe floor (counters != nullptr; the ladder's rung `safe_floor`): the same kernel made
+// usable in a graph replayed as it is -- the slot is no longer a launch argument but read from a
+// per-rank epoch in device memory (counters[0], after the input loads are issued, so that the two
+// round trips overlap), every block counts its arrival at its end (counters[1], a `red`), and
+// block 0 waits for all of them, then resets the count and advances the epoch for the next call
+// (at T = 1 it is the only block: no wait). The least a replay-safe one-shot adds; still no
+// timeout, no grid cap.
+//
 // A benchmark tool, not part of the library: compiled on the GPU machine by the ladder with the
 // nvcc it finds (one shared object per world size) against the kernel's own device helpers
 // (csrc/arfuse/device.cuh: vectors, sentinel, loads and stores), launched through ctypes on the
@@ -47,6 +55,7 @@ struct FloorArgs {
   uint16_t* norm_out;         // [T, H]
   uint16_t* residual_out;     // [T, H]
   uint16_t* buffers[kWorld];  // every rank's buffer: 3 slots of [max_tokens][N][H]
+  int* counters;              // nullptr, or this rank's {epoch, arrivals} (the safe floor)
   int64_t slot_elems;
   int rank, hidden, slot;
   float eps;
@@ -70,7 +79,8 @@ __global__ void __launch_bounds__(1024) floor_oneshot(const __grid_constant__ Fl
     rv = ld_stream(a.residual + t * H + elem);
     gv = ld_stream(a.gamma + elem);
   }
-  const int64_t slot_off = static_cast<int64_t>(a.slot) * a.slot_elems;
+  const int slot = a.counters != nullptr ? __ldcg(a.counters) % 3 : a.slot;
+  const int64_t slot_off = static_cast<int64_t>(slot) * a.slot_elems;
   float s[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) s[j] = 0.0f;
@@ -122,6 +132,20 @@ __global__ void __launch_bounds__(1024) floor_oneshot(const __grid_constant__ Fl
     for (int j = 0; j < 8; ++j) s[j] = (s[j] * inv) * g[j];
     st_vec(a.norm_out + t * H + elem, pack<T>(s));
   }
+  if (a.counters != nullptr && v == 0) {
+    // Every thread of this block read the epoch before the __syncthreads above: arriving now
+    // cannot let block 0 advance it under a reader.
+    if (gridDim.x > 1) atomicAdd(a.counters + 1, 1);
+    if (t == 0) {
+      if (gridDim.x > 1) {
+        volatile int* arrivals = a.counters + 1;
+        while (*arrivals < static_cast<int>(gridDim.x)) {
+        }
+        *arrivals = 0;
+      }
+      a.counters[0] += 1;  // the next call on this stream reads it after this kernel ends
+    }
+  }
 }
 
 __global__ void empty_kernel() {}
@@ -132,9 +156,11 @@ extern "C" {
 
 // One call of the floor kernel on `stream`: T blocks of round_up(H / 8, 32) threads. Returns a
 // cudaError_t (0: launched).
+// counters: nullptr (the slot as given), or this rank's two int32 {epoch, arrivals}, zero before
+// the first call (the safe floor: the slot is then epoch % 3).
 int floor_launch(const void* x, const void* residual, const void* gamma, void* norm_out,
                  void* residual_out, void* const* buffers, int64_t slot_elems, int rank,
-                 int tokens, int hidden, int slot, float eps, void* stream) {
+                 int tokens, int hidden, int slot, float eps, void* counters, void* stream) {
   if (hidden % 8 != 0 || hidden / 8 > 1024 || tokens < 1) return cudaErrorInvalidValue;
   FloorArgs a;
   a.x = static_cast<const uint16_t*>(x);
@@ -143,6 +169,7 @@ int floor_launch(const void* x, const void* residual, const void* gamma, void* n
   a.norm_out = static_cast<uint16_t*>(norm_out);
   a.residual_out = static_cast<uint16_t*>(residual_out);
   for (int q = 0; q < kWorld; ++q) a.buffers[q] = static_cast<uint16_t*>(buffers[q]);
+  a.counters = static_cast<int*>(counters);
   a.slot_elems = slot_elems;
   a.rank = rank;
   a.hidden = hidden;
