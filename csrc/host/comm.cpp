@@ -161,6 +161,16 @@ int64_t create(int64_t rank, int64_t world_size, int64_t hidden, ScalarType dtyp
   c->cuda = device.is_cuda();
   c->device_index = c->cuda ? (device.has_index() ? device.index() : current_device()) : -1;
   if (c->cuda) {
+    // A device that does not exist is refused before any CUDA call is made on it: no CUDA error
+    // is raised at all (compute-sanitizer reports every failed API call, even a cleared one).
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+      (void)cudaGetLastError();
+      count = 0;
+    }
+    ARFUSE_CHECK_VALUE(c->device_index >= 0 && c->device_index < count, "device: cuda:",
+                       c->device_index, " does not exist (this process sees ", count,
+                       " CUDA devices)");
     cudaDeviceProp prop{};
     const cudaError_t err = cudaGetDeviceProperties(&prop, c->device_index);
     if (err != cudaSuccess) (void)cudaGetLastError();  // not left for the next launch's check
