@@ -8,7 +8,7 @@ the scales), with the same rules as arfuse's fused output kinds (arfuse/referenc
 
 One program per token, covering its whole row (per group: a [groups, 128] tile, one amax per
 tile row). At 76fe666 the per-group kernel ran one program per 128 elements and moved only about
-0.6 TB/s (docs/performance.md); the per-token and static ones were as now. This is the kernel a
+0.6 TB/s (docs/performance.md before bf1bb79); the per-token and static ones were as now. This is the kernel a
 serving stack runs after a bf16 RMSNorm (vLLM's scaled_fp8_quant / per_token_group_quant_fp8 do
 the same one read and one write); Triton is used so that the baseline is a single fused kernel
 and not a chain of PyTorch ops. Needs triton (the GPU machine has it); imported lazily.
