@@ -245,7 +245,7 @@ def markdown(ns, lad: dict, tokens: list[int]) -> str:
     lines = [f"### Ladder: {ns.model}, N={ns.world_size}, bf16 (emulated on one GPU) — "
              f"{lad['card']}", "",
              "Median µs per call under CUDA-graph replay; in parentheses the difference to the "
-             "rung above (the first arfuse rung is compared with the safe floor).", "",
+             "rung above (the first arfuse rung with the floor rung above it).", "",
              "| rung | adds | " + " | ".join(f"T={t}" for t in tokens) + " |",
              "|---|---|" + "---:|" * len(tokens)]
     prev = None
