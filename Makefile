@@ -37,7 +37,7 @@ HEADERS   := $(wildcard csrc/arfuse/*.h csrc/arfuse/*.cuh csrc/host/*.h)
 # releases (tests/test_stable_abi.py reads its undefined symbols). TORCH_TARGET_VERSION 2.11.
 TORCH_TARGET := 0x020b000000000000
 
-.PHONY: all env vllm-env toolchain gen generate lib wheel install test test-go test-python test-gpu check-generated clean help
+.PHONY: all env vllm-env toolchain gen generate lib wheel install test test-go test-python test-gpu check-generated clean help ci-wheel test-installed
 .DEFAULT_GOAL := all
 
 all: wheel
@@ -88,10 +88,12 @@ lib: toolchain generate
 	@mkdir -p $(BUILD) && rm -f $(BUILD)/.done
 	@$(MAKE) --no-print-directory -j$(JOBS) _lib MATRIX=$(MATRIX) GENDIR=$(GENDIR) BUILD=$(BUILD) LIBDIR=$(LIBDIR) PYTHON=$(PYTHON)
 
+# The wheel: scripts/build_wheel.sh stages the package (discovered, not listed) with this library,
+# its manifest and models.yaml, and builds it; make test builds its CI-matrix wheel the same way.
 wheel: lib
 	@cp variants/models.yaml $(LIBDIR)/models.yaml
 	@cp $(GENDIR)/manifest.json $(LIBDIR)/manifest.json
-	rm -rf dist build/wheel && $(PYTHON) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	@scripts/build_wheel.sh $(PYTHON) $(LIB) $(GENDIR)/manifest.json dist >/dev/null
 	@ls -l dist/*.whl
 
 # The wheel into an environment that has torch 2.11 or later (CUDA 13 build): --no-deps, so that
@@ -159,15 +161,20 @@ endif
 # ---- tests ---------------------------------------------------------------------------------------
 CI_OUT   := build/ci/out
 CI_LIB   := build/ci/lib
+CI_DIST  := build/ci/dist
 
-# make test: lane A (Go, the CI-matrix build, vLLM 0.26.0 + torch 2.11 in .venv, the whole Python
-# suite), the static contract check of every vLLM release between the lanes, then lane B (vLLM
-# 0.34.0 + torch 2.14 in their own environment, the whole Python suite again against the SAME
-# library that lane A built). docs/vllm.md, "Test lanes".
+# make test: lane A (Go, the CI-matrix build and its wheel, vLLM 0.26.0 + torch 2.11 in .venv, the
+# whole Python suite), the static contract check of every vLLM release between the lanes, then
+# lane B (vLLM 0.34.0 + torch 2.14 in their own environment, the whole Python suite again against
+# the SAME wheel that lane A built). Each lane tests what users install: the wheel goes into the
+# lane's environment (pip install --no-deps, as make install INTO= does) and pytest runs from a
+# folder outside the checkout with ARFUSE_TEST_INSTALLED=1, so `import arfuse` resolves to
+# site-packages and the library to the wheel's (tests/conftest.py checks both). docs/vllm.md,
+# "Test lanes".
 # The kernel build before the vLLM install: on a machine short of disk the vLLM tests are the ones
 # that give way (scripts/install-vllm.sh), never the build.
 test: test-go check-generated
-	@$(MAKE) --no-print-directory lib MATRIX=ci GENDIR=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN)
+	@$(MAKE) --no-print-directory ci-wheel
 	@echo "== lane A: vLLM 0.26.0, torch 2.11 ($(PYTHON))"
 	@$(MAKE) --no-print-directory vllm-env PYTHON=$(PYTHON)
 	@$(MAKE) --no-print-directory test-python
@@ -189,9 +196,28 @@ ifeq ($(SKIP_GEN),0)
 	@rm -rf build/check && $(GEN_BIN) --matrix ci --out build/check >/dev/null && $(GEN_BIN) --matrix ci --out build/check --check
 endif
 
+# The CI-matrix library and its wheel (build/ci/dist), made as `make` makes the release wheel.
+ci-wheel:
+	@$(MAKE) --no-print-directory lib MATRIX=ci GENDIR=$(CI_OUT) BUILD=build/ci/obj LIBDIR=$(CI_LIB) PYTHON=$(PYTHON) SKIP_GEN=$(SKIP_GEN)
+	@scripts/build_wheel.sh $(PYTHON) $(CI_LIB)/libarfuse_ops.so $(CI_OUT)/manifest.json $(CI_DIST) >/dev/null
+	@echo "wheel: $$(ls $(CI_DIST)/arfuse-*.whl) ($$(du -k $(CI_DIST)/arfuse-*.whl | cut -f1) kB)"
+
+# test-installed TEST_PYTHON=...: the CI wheel into TEST_PYTHON's environment, then the whole
+# suite from an empty folder outside the checkout (pytest's rootdir and configuration are still
+# the checkout's: tests/ and pyproject.toml). ARFUSE_WHEEL: the wheel tests/test_wheel.py reads.
+TEST_PYTHON ?= $(PYTHON)
+TEST_PATHS  ?= $(CURDIR)/tests
+test-installed:
+	@$(TEST_PYTHON) -m pip install -q --no-deps --force-reinstall --no-warn-conflicts $(CI_DIST)/arfuse-*.whl
+	@py=$$($(TEST_PYTHON) -c 'import sys; print(sys.executable)'); run=$$(mktemp -d); \
+	echo "== pytest tests with $$py, from $$run, against the installed $$(ls $(CI_DIST)/arfuse-*.whl)"; \
+	cd $$run && env -u ARFUSE_LIBRARY -u ARFUSE_MANIFEST ARFUSE_TEST_INSTALLED=1 \
+	  ARFUSE_WHEEL=$$(ls $(abspath $(CI_DIST))/arfuse-*.whl) \
+	  $$py -m pytest -q -ra -p no:cacheprovider --rootdir $(CURDIR) $(TEST_PATHS) $(PYTEST_ARGS); \
+	rc=$$?; cd / && rm -rf $$run; exit $$rc
+
 test-python: env
-	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
-	  $(PYTHON) -m pytest -q -ra tests
+	@$(MAKE) --no-print-directory test-installed TEST_PYTHON=$(PYTHON)
 
 # The GPU suite alone (on the GPU machine): make test-gpu PYTHON=python3 SKIP_GEN=1 NVCC=nvcc
 test-gpu:
@@ -216,14 +242,12 @@ test-lane-b:
 	@echo "== lane B: vLLM 0.34.0, torch 2.14 ($(VLLM_B_ENV))"
 	@scripts/install-vllm.sh $(VLLM_B_ENV)/bin/python requirements-vllm-0.34.txt
 	@if [ -f $(VLLM_B_ENV)/.arfuse-vllm-skipped ]; then echo "== lane B skipped: $$(cat $(VLLM_B_ENV)/.arfuse-vllm-skipped)"; \
-	else ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
-	  $(VLLM_B_ENV)/bin/python -m pytest -q -ra tests; fi
+	else $(MAKE) --no-print-directory test-installed TEST_PYTHON=$(VLLM_B_ENV)/bin/python; fi
 
 # tests/vllm alone in lane B.
 test-vllm-b:
 	@scripts/install-vllm.sh $(VLLM_B_ENV)/bin/python requirements-vllm-0.34.txt
-	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
-	  $(VLLM_B_ENV)/bin/python -m pytest -q -ra tests/vllm
+	@$(MAKE) --no-print-directory test-installed TEST_PYTHON=$(VLLM_B_ENV)/bin/python TEST_PATHS=$(CURDIR)/tests/vllm
 
 test-vllm-contract:
 	python3 scripts/vllm_contract.py

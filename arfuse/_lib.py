@@ -85,6 +85,11 @@ def _manifest_api_version():
         return None
 
 
+def load_error() -> str | None:
+    """Why the library did not load (None once it has)."""
+    return _error
+
+
 def is_built() -> bool:
     """Whether the compiled library is present and loaded."""
     return load()

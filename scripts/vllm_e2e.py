@@ -13,6 +13,7 @@ function), and writes what it measured:
 
 * mode `vllm`: arfuse installed, ARFUSE_VLLM unset (the plugin does nothing);
   `arfuse`: ARFUSE_VLLM=1 (the plugin's hooks, the MoE rows switch, the fusion pass);
+  `arfuse-pdl`: the same with ARFUSE_VLLM_PDL=1 (programmatic dependent launch);
   `plain`: arfuse not importable at all (vLLM as released; run with a PYTHONPATH without it);
 * tokens: greedy continuations of random prompts with the top-5 logprobs of every step, and the
   prompts' own top-5 logprobs (teacher-forced: every position scored on identical input), twice
@@ -25,7 +26,10 @@ function), and writes what it measured:
 * memory: vLLM's own accounting (the KV cache it could allocate after its profile run) and the
   worker's torch peak.
 
-`compare` turns the JSON of the runs into one markdown table (docs/vllm.md).
+`compare` turns the JSON of the runs into one markdown table (docs/vllm.md), and exits 1 with one
+line each (on stderr, and in the table) where a run with arfuse on fused no layer (the plugin's
+log, the profiler's count of arfuse's kernel) or is bitwise equal to vLLM's own run: a
+comparison of "with arfuse" against "without" first proves that arfuse's kernel ran.
 """
 
 from __future__ import annotations
@@ -117,8 +121,10 @@ def logprob_rows(items) -> list[dict]:
 
 
 def run_engine(a) -> dict:
-    if a.mode == "arfuse":
+    if a.mode.startswith("arfuse"):
         os.environ["ARFUSE_VLLM"] = "1"
+        if a.mode == "arfuse-pdl":  # the fused kernels as programmatic dependent launches
+            os.environ["ARFUSE_VLLM_PDL"] = "1"
     else:
         os.environ.pop("ARFUSE_VLLM", None)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model
@@ -299,6 +305,9 @@ def engine_log(json_path: str) -> dict:
     out["arfuse_lines"] = list(dict.fromkeys(
         ln.split("] ", 1)[-1].strip() for ln in text.splitlines()
         if "arfuse: " in ln and " INFO " in ln))
+    out["arfuse_errors"] = list(dict.fromkeys(
+        ln.split("] ", 1)[-1].strip() for ln in text.splitlines()
+        if "arfuse: " in ln and (" ERROR " in ln or " WARNING " in ln)))
     return out
 
 
@@ -306,11 +315,59 @@ def bitwise(a_runs, b_runs) -> bool:
     return json.dumps(a_runs, sort_keys=True) == json.dumps(b_runs, sort_keys=True)
 
 
-def compare(paths: list[str], md: str | None) -> str:
+SWITCHED = re.compile(r"MoE finalize handed to arfuse in (\d+) of (\d+) MoE layers")
+
+
+def fused_layers(run: dict) -> tuple[int, int] | None:
+    """(layers switched, MoE layers) from the plugin's line in the run's log (the engine core's
+    .log beside the JSON, else the lines the run kept), or None where it logged none."""
+    lines = run.get("engine_log", {}).get("arfuse_lines", []) + run.get("log", [])
+    found = [SWITCHED.search(ln) for ln in lines]
+    found = [m for m in found if m]
+    return (int(found[-1].group(1)), int(found[-1].group(2))) if found else None
+
+
+def arfuse_kernels(run: dict) -> int:
+    """Launches of arfuse's kernel in the run's profiled prefill (the torch profiler's count)."""
+    return sum(n for name, n in run.get("profile", {}).items() if name.startswith("kernel arfuse::"))
+
+
+def problems(runs: list[dict], base: dict) -> list[str]:
+    """Why the comparison proves nothing, one line each: a run with arfuse on (mode arfuse*) that
+    fused no layer (by the plugin's log or by the profiler's count of arfuse's kernel), or that is
+    bitwise equal to vLLM's own (arfuse rounds the MoE tail differently: the rows summed in float32
+    and rounded once; equal bits mean its kernel never ran)."""
+    out = []
+    for r in runs:
+        if r is base or not r["mode"].startswith("arfuse"):
+            continue
+        layers, kernels = fused_layers(r), arfuse_kernels(r)
+        off = [ln for ln in r.get("engine_log", {}).get("arfuse_errors", []) if "fusion is OFF" in ln]
+        if off or not layers or layers[0] == 0 or kernels == 0:
+            if off:
+                said = f"says {off[0][:200]!r}"
+            elif layers:
+                said = f"says {layers[0]} of {layers[1]} MoE layers switched"
+            else:
+                said = "has no line on switched layers"
+            out.append(f"the {r['mode']} run fused no layer: the plugin's log {said}, the "
+                       f"profiler counted {kernels} launches of arfuse's kernel")
+        elif bitwise(base["runs"][0], r["runs"][0]):
+            out.append(f"the {r['mode']} run is bitwise equal to the {base['mode']} run, where "
+                       f"arfuse must change the rounding: its kernel did not compute these tokens")
+    return out
+
+
+def load_runs(paths: list[str]) -> tuple[list[dict], dict]:
+    """The runs' JSON with their engine logs, and the base run (mode vllm, else the first)."""
     runs = [json.loads(Path(p).read_text()) for p in paths]
     for r, p in zip(runs, paths):
         r["engine_log"] = engine_log(p)
-    base = next((r for r in runs if r["mode"] == "vllm"), runs[0])
+    return runs, next((r for r in runs if r["mode"] == "vllm"), runs[0])
+
+
+def compare(paths: list[str], md: str | None) -> str:
+    runs, base = load_runs(paths)
     out = [f"### {base['model']} ({base['layers']} layers, hidden {base['hidden']}), "
            f"{base['gpu']}, vLLM {base['vllm']}, torch {base['torch']}", ""]
     self_agree = agreement(base["runs"][0], base["runs"][1])
@@ -361,8 +418,10 @@ def compare(paths: list[str], md: str | None) -> str:
                    " | ".join(str(r["profile"].get(n, 0)) for r in runs) + " |")
     out.append("")
     for r in runs:
-        for ln in r["engine_log"]["arfuse_lines"]:
+        for ln in r["engine_log"]["arfuse_lines"] + r["engine_log"]["arfuse_errors"]:
             out.append(f"- {r['mode']} log: {ln[:300]}")
+    for p in problems(runs, base):
+        out.append(f"- **FAILED**: {p}")
     text = "\n".join(out) + "\n"
     if md:
         Path(md).write_text(text)
@@ -378,7 +437,7 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("engine")
     e.add_argument("--model", required=True, help="a directory with the model's config.json")
-    e.add_argument("--mode", required=True, choices=("vllm", "arfuse", "plain"))
+    e.add_argument("--mode", required=True, choices=("vllm", "arfuse", "arfuse-pdl", "plain"))
     e.add_argument("--out", required=True)
     e.add_argument("--seed", type=int, default=1234)
     e.add_argument("--reps", type=int, default=7)
@@ -400,7 +459,11 @@ def main(argv=None) -> int:
               + f"; profile {res['profile']}")
         return 0
     print(compare(a.runs, a.md))
-    return 0
+    runs, base = load_runs(a.runs)
+    failed = problems(runs, base)
+    for p in failed:
+        print(f"vllm_e2e compare: FAILED: {p}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

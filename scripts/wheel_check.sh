@@ -13,7 +13,7 @@ for py in "$@"; do
   site=$(mktemp -d); run=$(mktemp -d)
   "$py" -m pip install -q --no-deps --no-cache-dir --target "$site" "$wheel" || { rc=1; continue; }
   torch=$("$py" -c 'import torch; print(torch.__version__)')
-  summary=$(cd "$run" && env -u ARFUSE_LIBRARY -u ARFUSE_MANIFEST ARFUSE_TEST_INSTALLED=1 \
+  summary=$(cd "$run" && env -u ARFUSE_LIBRARY -u ARFUSE_MANIFEST ARFUSE_TEST_INSTALLED=1 ARFUSE_TEST_SITE="$site" \
               PYTHONPATH="$site" "$py" -m pytest -q -p no:cacheprovider --rootdir "$repo" \
               "$repo/tests" --ignore="$repo/tests/vllm" 2>&1 | tail -n 1)
   echo "$(basename "$wheel") under torch $torch ($py): $summary"

@@ -1,7 +1,11 @@
-"""Shared test setup: the compiled library under test and the GPU marker.
+"""Shared test setup: the package and library under test and the GPU marker.
 
-make test points ARFUSE_LIBRARY at the CI-matrix build (build/ci/lib) and ARFUSE_MANIFEST at its
-manifest. Tests marked `gpu` are skipped, with the reason, where there is no CUDA device.
+make test installs the wheel it built from the CI-matrix library into the lane's environment and
+runs the suite from a folder outside the checkout with ARFUSE_TEST_INSTALLED=1: `import arfuse`
+must then resolve to site-packages and the library to the wheel's own (checked here, before any
+test). From the checkout's root, the checkout's package is tested, with the library at
+ARFUSE_LIBRARY (and its manifest at ARFUSE_MANIFEST) or in arfuse/_lib. Tests marked `gpu` are
+skipped, with the reason, where there is no CUDA device.
 """
 
 import json
@@ -21,11 +25,21 @@ INSTALLED = os.environ.get("ARFUSE_TEST_INSTALLED") == "1"
 if not INSTALLED and ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 if INSTALLED:
+    import sysconfig
+
     import arfuse as _installed
 
-    if os.path.dirname(os.path.dirname(os.path.abspath(_installed.__file__))) == ROOT:
-        raise RuntimeError("ARFUSE_TEST_INSTALLED=1 but arfuse is imported from the checkout "
-                           f"{ROOT}: run pytest from another directory")
+    # Where the wheel went: this environment's site-packages (make test), or the --target folder
+    # scripts/wheel_check.sh names.
+    _site = os.path.realpath(os.environ.get("ARFUSE_TEST_SITE") or sysconfig.get_paths()["purelib"])
+    _where = os.path.realpath(_installed.__file__)
+    if not _where.startswith(_site + os.sep):
+        raise RuntimeError(f"ARFUSE_TEST_INSTALLED=1 but arfuse is imported from {_where}, not "
+                           f"from the installed wheel under {_site}: run pytest from a folder "
+                           "outside the checkout, with the wheel installed")
+    if os.environ.get("ARFUSE_LIBRARY") or os.environ.get("ARFUSE_MANIFEST"):
+        raise RuntimeError("ARFUSE_TEST_INSTALLED=1 tests the wheel's own library: unset "
+                           "ARFUSE_LIBRARY and ARFUSE_MANIFEST")
 
 
 def _has_gpu() -> bool:

@@ -11,6 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import checkout
+
 from arfuse.bench import byte_counts as BB
 from arfuse.bench import report as BR
 from arfuse.bench import cli as bench
@@ -54,8 +56,10 @@ def test_help_exits_zero_without_gpu_or_library():
             "except SystemExit as e:\n"
             "    assert not [m for m in ('group', 'inputs', 'impls', 'timing', 'run') if 'arfuse.bench.' + m in sys.modules], 'GPU modules imported'\n"
             "    sys.exit(e.code)\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60, env={**os.environ, "ARFUSE_LIBRARY": "/nonexistent/lib.so"})
+    r = subprocess.run([sys.executable, "-c", code], cwd=checkout.cwd(), capture_output=True,
+                       text=True, timeout=60,
+                       env=checkout.pythonpath({**os.environ,
+                                                "ARFUSE_LIBRARY": "/nonexistent/lib.so"}))
     assert r.returncode == 0, r.stderr
     assert "--tokens" in r.stdout and "--emulate" in r.stdout and "--tune" in r.stdout
 
@@ -611,9 +615,7 @@ def test_separate_quant_kernel_scales_on_the_triton_interpreter():
         assert BQ.quantize(y[:0], "fp8_group128")[1].shape == (0, 9)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                           os.environ.get("PYTHONPATH", "")]))
+    env = checkout.pythonpath(dict(os.environ, TRITON_INTERPRET="1"))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkout
+
 from arfuse import _checks
 from arfuse.check import cases as ck_cases, cli as ck_cli, multicast as ck_multicast
 from arfuse.check import report as ck_report, run as ck_run, run_case as ck_run_case
@@ -33,7 +35,7 @@ def _env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in MULTICAST_VARS}
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env = checkout.pythonpath(env)
     env.update(extra)
     return env
 
@@ -302,7 +304,7 @@ def test_world_1_in_process_with_the_real_cpu_op(lib, tmp_path, capsys):
 def _torchrun(nproc, args, tmp_path, timeout=120):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(nproc), "-m", "arfuse.check", "--out", str(tmp_path), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=_env(OMP_NUM_THREADS="1"), capture_output=True,
+    return subprocess.run(cmd, cwd=checkout.cwd(), env=_env(OMP_NUM_THREADS="1"), capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -331,7 +333,7 @@ def _launch_ranks(world, args, tmp_path, timeout=120):
                    WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "arfuse.check", "--out", str(tmp_path), *args], cwd=ROOT,
+            [sys.executable, "-m", "arfuse.check", "--out", str(tmp_path), *args], cwd=checkout.cwd(),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:

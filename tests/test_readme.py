@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+import checkout
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALLED = os.environ.get("ARFUSE_TEST_INSTALLED") == "1"  # as in conftest.py
 EXAMPLE = re.compile(r"<!-- example: (\S+) -->\n```python\n(.*?)```", re.S)
@@ -24,9 +26,7 @@ def readme_examples() -> dict[str, str]:
 def run_example(tmp_path, name: str, filename: str, launcher: list[str]) -> str:
     code = readme_examples()[name]
     (tmp_path / filename).write_text(code)
-    env = dict(os.environ)
-    if not INSTALLED:
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env = checkout.pythonpath(os.environ)
     p = subprocess.run([*launcher, filename], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, f"README example {name}: exit {p.returncode}\n{p.stdout}\n{p.stderr}"

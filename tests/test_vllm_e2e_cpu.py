@@ -33,33 +33,50 @@ def test_agreement_counts_until_the_first_difference():
     assert E.bitwise(base, base) and not E.bitwise(base, other)
 
 
-def test_compare_writes_the_table(tmp_path):
-    def result(mode, step):
-        r = run([1, 2], [{1: -0.5}, {2: -0.5}], [None, {1: -0.1}])
-        return {"mode": mode, "model": "Qwen3MoeForCausalLM", "layers": 48, "hidden": 2048,
-                "gpu": "NVIDIA H200", "vllm": "0.26.0", "torch": "2.11.0", "runs": [[r], [r]],
-                "latency": {k: {"median": step, "all": [step]} for k in
-                            ("decode_b1_ms", "decode_b32_ms", "prefill_8192_ms")},
-                "kv_cache_gib": 50.0, "torch_peak": [{"max_allocated": 2 ** 31}],
-                "engine_start_s": 90.0, "profile": {"arfuse::fused": 48} if mode == "arfuse"
-                else {"_moe_C::moe_sum": 48},
-                "log": ["vllm.arfuse: arfuse: MoE finalize handed to arfuse in 48 of 48 MoE "
-                        "layers"] if mode == "arfuse" else []}
+KERNEL = "kernel arfuse::fused_kernel NormWriter algo 3"
+SWITCH_LINE = ("(EngineCore pid=1) INFO 12-04 02:06:28 [moe_rows.py:333] arfuse: MoE finalize "
+               "handed to arfuse in 48 of 48 MoE layers\n")
+
+
+def result(mode, step, fused=True, same_bits=False):
+    r = run([1, 2], [{1: -0.5}, {2: -0.5}], [None, {1: -0.1}])
+    if mode.startswith("arfuse") and not same_bits:  # arfuse rounds the MoE tail differently
+        r = run([1, 2], [{1: -0.5}, {2: -0.53}], [None, {1: -0.1}])
+    arfuse_on = mode.startswith("arfuse") and fused
+    return {"mode": mode, "model": "Qwen3MoeForCausalLM", "layers": 48, "hidden": 2048,
+            "gpu": "NVIDIA H200", "vllm": "0.26.0", "torch": "2.11.0", "runs": [[r], [r]],
+            "latency": {k: {"median": step, "all": [step]} for k in
+                        ("decode_b1_ms", "decode_b32_ms", "prefill_8192_ms")},
+            "kv_cache_gib": 50.0, "torch_peak": [{"max_allocated": 2 ** 31}],
+            "engine_start_s": 90.0,
+            "profile": {"arfuse::fused": 48, KERNEL: 48} if arfuse_on
+            else {"_moe_C::moe_sum": 48},
+            "log": []}
+
+
+def write_runs(tmp_path, *runs, logs=None) -> list[str]:
     paths = []
-    for mode, step in (("vllm", 10.0), ("arfuse", 9.0)):
-        p = tmp_path / f"{mode}.json"
-        p.write_text(json.dumps(result(mode, step)))
+    for i, r in enumerate(runs):
+        p = tmp_path / f"{i}-{r['mode']}.json"
+        p.write_text(json.dumps(r))
+        extra = (logs or {}).get(r["mode"], SWITCH_LINE if r["mode"].startswith("arfuse") else "")
         p.with_suffix(".log").write_text(
-            "(EngineCore pid=1) INFO [gpu_worker.py:1] Available KV cache memory: 65.38 GiB\n" +
-            ("(EngineCore pid=1) INFO 12-04 02:06:28 [moe_rows.py:333] arfuse: MoE finalize "
-             "handed to arfuse in 48 of 48 MoE layers\n" if mode == "arfuse" else ""))
+            "(EngineCore pid=1) INFO [gpu_worker.py:1] Available KV cache memory: 65.38 GiB\n"
+            + extra)
         paths.append(str(p))
+    return paths
+
+
+def test_compare_writes_the_table(tmp_path):
+    paths = write_runs(tmp_path, result("vllm", 10.0), result("arfuse", 9.0))
+    assert E.main(["compare", *paths]) == 0
     text = E.compare(paths, str(tmp_path / "t.md"))
     assert (tmp_path / "t.md").read_text() == text
     assert "| decode step, batch 1 (ms) | 10.000 [10.00–10.00] | 9.000 (0.900×) [9.00–9.00] |" in text
     assert "| calls in one 1000-token prefill: `arfuse::fused` | 0 | 48 |" in text
     assert "| calls in one 1000-token prefill: `_moe_C::moe_sum` | 48 | 0 |" in text
     assert "arfuse against vllm: greedy tokens equal for the first [2] of 2" in text
+    assert "FAILED" not in text
     assert "handed to arfuse in 48 of 48" in text
     assert "| KV cache vLLM could allocate after its profile run (GiB) | 65.38 | 65.38 |" in text
 
@@ -75,3 +92,29 @@ def test_profile_counts_reads_the_trace(tmp_path):
     (d / "w.123.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
     assert E.profile_counts(str(d)) == {"arfuse::fused": 3, "_moe_C::moe_sum": 1,
                                         "kernel arfuse::fused_kernel NormWriter algo 3": 3}
+
+
+def test_compare_fails_when_the_arfuse_run_fused_nothing(tmp_path, capsys):
+    """As at 0a7c258: the plugin failed to load, vLLM served unfused, and compare said "bitwise
+    equal to vllm: True" and exited 0."""
+    off = ("(EngineCore pid=1) ERROR 12-07 [arfuse_vllm_plugin.py:40] arfuse: fusion is OFF in "
+           "this process: cannot import arfuse.vllm.plugin (ImportError: ...)\n")
+    cases = {
+        "plugin off": (result("arfuse", 9.0, fused=False, same_bits=True), {"arfuse": off}),
+        "no switch line": (result("arfuse", 9.0), {"arfuse": ""}),
+        "no kernel in the profile": (result("arfuse", 9.0, fused=False), None),
+    }
+    for name, (arfuse_run, logs) in cases.items():
+        d = tmp_path / name.replace(" ", "-")
+        d.mkdir()
+        paths = write_runs(d, result("vllm", 10.0), arfuse_run, logs=logs)
+        assert E.main(["compare", *paths]) == 1, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "the arfuse run fused no layer" in err[0], (name, err)
+
+
+def test_compare_fails_when_the_arfuse_run_has_vllms_bits(tmp_path, capsys):
+    paths = write_runs(tmp_path, result("vllm", 10.0), result("arfuse-pdl", 9.0, same_bits=True))
+    assert E.main(["compare", *paths]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "arfuse-pdl run is bitwise equal to the vllm run" in err[0], err

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from . import guard as _guard
 from . import settings as _settings
 from .guard import logger
 
@@ -53,15 +54,14 @@ def plan(vllm_config: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     hidden = vllm_config.model_config.get_hidden_size()
     dtype = vllm_config.model_config.dtype
     if not arfuse.is_built():
-        logger.warning("arfuse: the compiled library is not available; fusion stays off")
+        from .. import _lib
+
+        _guard.disable(f"the compiled library is not available: {_lib.load_error()}")
         return None
     if not arfuse.supported(dtype, hidden, world):
-        logger.warning(
-            "arfuse: no kernel for dtype=%s hidden=%d world_size=%d; fusion stays off",
-            dtype,
-            hidden,
-            world,
-        )
+        _guard.disable(f"no arfuse kernel for the model: dtype={dtype} hidden={hidden} "
+                       f"world_size={world} (arfuse.supported_variants() lists what the library "
+                       f"serves)")
         return None
     max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     if s.max_tokens is not None:

@@ -7,6 +7,10 @@ the reason) and returns the original's result untouched. The fusion pass goes in
 list wrapped in arfuse.vllm.guarded_pass.GuardedPass, which restores the graph it was given when the pass raises.
 Once disabled, every hook passes straight through and every GuardedPass leaves graphs alone, so
 the compile cache key, the pass list and the graphs stay consistent (all without arfuse).
+
+The one log line is an ERROR that says fusion is OFF and why. With ARFUSE_VLLM=strict, `disable`
+raises FusionOff instead of returning, and every guard lets FusionOff through: vLLM then stops at
+start-up rather than serve unfused.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ _lock = threading.Lock()
 _disabled: str | None = None
 
 
+class FusionOff(RuntimeError):
+    """ARFUSE_VLLM=strict and the integration cannot run: raised through vLLM on purpose."""
+
+
 def active() -> bool:
     """False once something in arfuse's integration failed in this process."""
     return _disabled is None
@@ -35,13 +43,24 @@ def disabled_reason() -> str | None:
 
 
 def disable(reason: str) -> None:
-    """Switches the integration off in this process; logs the first reason (one line)."""
+    """Switches the integration off in this process; logs the first reason (one ERROR line).
+    With ARFUSE_VLLM=strict it raises FusionOff (every time: the first reason, then this one)."""
     global _disabled
     with _lock:
-        if _disabled is not None:
-            return
-        _disabled = reason
-    logger.warning("arfuse: vLLM integration off in this process: %s", reason)
+        first = _disabled is None
+        if first:
+            _disabled = reason
+    if first:
+        logger.error("arfuse: fusion is OFF in this process: %s", reason)
+    if _strict():
+        raise FusionOff(f"arfuse: ARFUSE_VLLM=strict and the integration cannot run: "
+                        f"{_disabled if first else f'{_disabled} (then: {reason})'}")
+
+
+def _strict() -> bool:
+    from .settings import strict_requested
+
+    return strict_requested()
 
 
 def describe(e: BaseException) -> str:
@@ -63,6 +82,8 @@ def after_hook(owner: type, name: str, after: Callable[..., Any], label: str) ->
             return result
         try:
             return after(self, result, args, kwargs)
+        except FusionOff:
+            raise
         except Exception as e:  # noqa: BLE001  (arfuse's failure must not stop vLLM)
             disable(f"{label}: {describe(e)}")
             return result
@@ -75,6 +96,8 @@ def call_safely(label: str, fn: Callable[..., Any], *args: Any, default: Any = N
     """fn(*args), or `default` (and disable) when it raises."""
     try:
         return fn(*args)
+    except FusionOff:
+        raise
     except Exception as e:  # noqa: BLE001
         disable(f"{label}: {describe(e)}")
         return default

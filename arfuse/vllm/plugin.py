@@ -55,6 +55,7 @@ from .guard import logger
 
 _lock = threading.RLock()
 _hooked = False
+_told_settings = False
 _cache_key: str | None = None
 # The config of the last Worker.load_model in this process (the slot pass falls back to it).
 _worker_config: Any = None
@@ -65,7 +66,10 @@ def register() -> None:
     try:
         s = _settings.from_env()
     except ValueError as e:
-        logger.error("arfuse: not enabled: %s", e)
+        global _told_settings
+        if not _told_settings:  # once per process, as every other reason
+            _told_settings = True
+            logger.error("arfuse: fusion is OFF in this process: %s", e)
         return
     if not s.enabled:
         return
@@ -73,12 +77,24 @@ def register() -> None:
         with _lock:
             if _hooked or not _guard.active():
                 return
-            if not _install_hooks():
+            if not _library_ready() or not _install_hooks():
                 return
+    except _guard.FusionOff:
+        raise
     except Exception as e:  # noqa: BLE001  (vLLM's plugin loader does not catch: vLLM would not start)
         _guard.disable(f"register: {_guard.describe(e)}")
         return
     logger.info("arfuse: vLLM integration enabled (%s)", s.as_dict())
+
+
+def _library_ready() -> bool:
+    """Loads arfuse's compiled library; False (and the integration off) when it cannot."""
+    from .. import _lib
+
+    if _lib.load():
+        return True
+    _guard.disable(f"the compiled library is not available: {_lib.load_error()}")
+    return False
 
 
 def is_registered() -> bool:

@@ -14,6 +14,8 @@ from pathlib import Path
 from .._vocab import ALGORITHMS  # the `algorithm` argument of torch.ops.arfuse.fused
 
 ENABLE_ENV = "ARFUSE_VLLM"
+# ARFUSE_VLLM=strict: on, and a start-up failure stops vLLM instead of leaving it unfused.
+STRICT = "strict"
 MAX_TOKENS_ENV = "ARFUSE_VLLM_MAX_TOKENS"
 ONESHOT_MAX_TOKENS_ENV = "ARFUSE_VLLM_ONESHOT_MAX_TOKENS"
 ALGORITHM_ENV = "ARFUSE_VLLM_ALGORITHM"
@@ -52,6 +54,9 @@ class Settings:
     fp8: bool = True
     moe_rows: bool = True
     pdl: bool = False
+    # ARFUSE_VLLM=strict: a start-up failure of the integration raises instead of leaving vLLM
+    # running unfused (arfuse.vllm.guard.disable).
+    strict: bool = False
 
     @property
     def algorithm_code(self) -> int:
@@ -69,7 +74,7 @@ def _flag(name: str, default: bool = False) -> bool:
         return True
     if raw in _FALSE:
         return False
-    raise ValueError(f"{name}={raw!r}: want 1 or 0")
+    raise ValueError(f"{name}={raw!r}: want 1 or 0" + (" (or strict)" if name == ENABLE_ENV else ""))
 
 
 def _positive_int(name: str) -> int | None:
@@ -90,8 +95,10 @@ def from_env() -> Settings:
     algorithm = os.environ.get(ALGORITHM_ENV, "auto").strip().lower() or "auto"
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{ALGORITHM_ENV}={algorithm!r}: want one of {sorted(ALGORITHMS)}")
+    raw = os.environ.get(ENABLE_ENV, "").strip().lower()
+    strict = raw == STRICT
     return Settings(
-        enabled=_flag(ENABLE_ENV),
+        enabled=strict or _flag(ENABLE_ENV),
         max_tokens=_positive_int(MAX_TOKENS_ENV),
         oneshot_max_tokens=_positive_int(ONESHOT_MAX_TOKENS_ENV),
         algorithm=algorithm,
@@ -99,7 +106,13 @@ def from_env() -> Settings:
         fp8=_flag(FP8_ENV, default=True),
         moe_rows=_flag(MOE_ROWS_ENV, default=True),
         pdl=_flag(PDL_ENV),
+        strict=strict,
     )
+
+
+def strict_requested() -> bool:
+    """Whether ARFUSE_VLLM=strict (read without validating the other variables)."""
+    return os.environ.get(ENABLE_ENV, "").strip().lower() == STRICT
 
 
 def source_hash() -> str:

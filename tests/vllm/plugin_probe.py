@@ -7,6 +7,11 @@ SCENARIO (default "plain") changes something before the plugins load, to see the
   no-configure      PostGradPassManager without configure (as a release that renamed it)
   newer             the installed vLLM taken for a release newer than the supported ones
   newer-no-configure  both
+  import-error      arfuse.vllm.contract cannot be imported (as in a wheel that lacked it)
+  no-kernel         the model's hidden size is one no arfuse kernel serves
+
+Exceptions that the plugins' loading or the communicator lookup raise (ARFUSE_VLLM=strict) are
+reported under "raised" (None when nothing was raised).
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ class Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.lines: list[str] = []
+        self.levels: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno >= logging.INFO:
             self.lines.append(record.getMessage())
+            self.levels.append(record.levelname)
 
 
 def cache_key(config: VllmConfig) -> list[str]:
@@ -60,6 +67,18 @@ def cache_key_variants(config: VllmConfig) -> list[str]:
     return out
 
 
+class _Blocker:
+    """A meta-path finder under which one module cannot be imported."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name:
+            raise ImportError(f"No module named {fullname!r} (blocked by the probe)")
+        return None
+
+
 def main() -> None:
     root = Path(sys.argv[1])
     scenario = sys.argv[2] if len(sys.argv) > 2 else "plain"
@@ -70,7 +89,9 @@ def main() -> None:
     logging.getLogger("vllm.arfuse").setLevel(logging.INFO)
     hash_name = "compute_hash" if hasattr(VllmConfig, "compute_hash") else "compile_factors"
     original = {"configure": PostGradPassManager.configure, "hash": getattr(VllmConfig, hash_name)}
-    config = H.vllm_config(root, H.QWEN3_MOE, torch.bfloat16)
+    # no-kernel: a hidden size above every kernel's limit (arfuse._vocab: max_hidden 65536)
+    spec = H.zoo_spec(65536 + 8) if scenario == "no-kernel" else H.QWEN3_MOE
+    config = H.vllm_config(root, spec, torch.bfloat16)
     key_before = cache_key(config)
     variants_before = cache_key_variants(config)
     if scenario in ("no-configure", "newer-no-configure"):
@@ -87,11 +108,23 @@ def main() -> None:
         worker_hooked = f"not importable: {e}"
 
     found = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "arfuse"]
-    vllm.plugins.load_general_plugins()
-    vllm.plugins.load_general_plugins()  # vLLM loads once per process
+    blocker = _Blocker("arfuse.vllm.contract") if scenario == "import-error" else None
+    if blocker is not None:
+        sys.meta_path.insert(0, blocker)
+    raised = None
+    try:
+        vllm.plugins.load_general_plugins()
+        vllm.plugins.load_general_plugins()  # vLLM loads once per process
+    except Exception as e:  # noqa: BLE001  (ARFUSE_VLLM=strict)
+        raised = f"{type(e).__name__}: {e}"
+    if blocker is not None:
+        sys.meta_path.remove(blocker)
+        for name in [m for m in sys.modules if m.startswith("arfuse.vllm")]:
+            del sys.modules[name]
     from arfuse.vllm import communicators, guard, plugin
 
-    plugin.register()  # and the plugin itself is re-entrant
+    if blocker is None and raised is None:
+        plugin.register()  # and the plugin itself is re-entrant
 
     configure = getattr(PostGradPassManager, "configure", None)
     if Worker is not None:
@@ -104,9 +137,17 @@ def main() -> None:
     pm = PostGradPassManager()
     if configure is not None:
         with set_current_vllm_config(config):
-            pm.configure(config)
+            try:
+                pm.configure(config)
+            except Exception as e:  # noqa: BLE001  (ARFUSE_VLLM=strict)
+                raised = raised or f"{type(e).__name__}: {e}"
     # Only the plugin's own hooks ask for a communicator (none run while it is off).
-    comm = communicators.get_communicator(config) if plugin.is_registered() else None
+    comm = None
+    if plugin.is_registered():
+        try:
+            comm = communicators.get_communicator(config)
+        except Exception as e:  # noqa: BLE001  (ARFUSE_VLLM=strict)
+            raised = raised or f"{type(e).__name__}: {e}"
 
     print(
         json.dumps(
@@ -116,6 +157,9 @@ def main() -> None:
                 "registered": plugin.is_registered(),
                 "disabled": guard.disabled_reason(),
                 "log": log.lines,
+                "levels": log.levels,
+                "raised": raised,
+                "arfuse_modules": sorted(m for m in sys.modules if m.startswith("arfuse")),
                 "hash_method": hash_name,
                 "configure_hooked": getattr(configure, MARK, False),
                 "configure_wrapped_once": getattr(configure, "__wrapped__", None)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import vllm_harness as H
+import checkout
 
 H.require_vllm()
 
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def probe(tmp_path, scenario):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ARFUSE_VLLM")}
     env["ARFUSE_VLLM"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = checkout.pythonpath(env)
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("guard_probe.py")), str(tmp_path), scenario],
         env=env, capture_output=True, text=True, timeout=300,

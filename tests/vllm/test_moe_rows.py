@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import vllm_harness as H
+import checkout
 
 H.require_vllm()
 H.require_arfuse()
@@ -36,8 +37,7 @@ RSF = {"qwen3-moe": 1.0, "deepseek-v3": 2.5, "mixtral": 1.0, "deepseek-v3-fp8": 
 
 def probe(tmp_path: Path, case: str, mode: str, tp: int = 2) -> dict:
     seed = int(os.environ.get("ARFUSE_TEST_SEED") or int.from_bytes(os.urandom(3), "little"))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env = checkout.pythonpath(os.environ)
     proc = subprocess.run([sys.executable, str(PROBE), str(tmp_path), case, mode, str(seed),
                            str(tp)],
                           env=env, capture_output=True, text=True, timeout=900)
