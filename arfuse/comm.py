@@ -80,6 +80,17 @@ def topology_problems(infos: list[dict]) -> list[str]:
     return problems
 
 
+def max_ranks_per_gpu(infos: list[dict]) -> int:
+    """The most ranks of the group on one GPU (by UUID), from the gathered local_topology of every
+    rank. The kernels' protocol needs every rank's blocks resident at once: ranks that share a GPU
+    (several processes on one GPU, under MPS or time-sliced) size their grids to 1/this of it.
+    Every rank computes it from the same list, so all pass the same value."""
+    counts: dict[str, int] = {}
+    for info in infos:
+        counts[info["gpu"]] = counts.get(info["gpu"], 0) + 1
+    return max(counts.values(), default=1)
+
+
 class Communicator:
     """Buffers and peers of one rank of a tensor-parallel group.
 
@@ -108,6 +119,7 @@ class Communicator:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         device = torch.device(device)
+        ranks_per_device = 1
         if world > 1:
             # Before anything is allocated or opened: can every rank reach every other's buffer?
             infos: list = [None] * world
@@ -118,9 +130,11 @@ class Communicator:
                                                    if len(problems) > 4 else "")
                 raise ValueError(f"arfuse: Communicator: group of {world} ranks not supported: "
                                  f"{shown}. Nothing was allocated or opened.")
+            ranks_per_device = max_ranks_per_gpu(infos)
         handle = _op(
             "comm_create", rank, world, hidden, dtype, max_tokens,
-            -1 if oneshot_max_tokens is None else oneshot_max_tokens, 1, device, timeout_s)
+            -1 if oneshot_max_tokens is None else oneshot_max_tokens, ranks_per_device, device,
+            timeout_s)
         try:
             if world > 1:
                 # Peers write into each other's buffers at offsets computed from their own

@@ -4,13 +4,15 @@
 #   vllm    arfuse installed, ARFUSE_VLLM unset (the plugin does nothing)
 #   arfuse  ARFUSE_VLLM=1
 #   plain   arfuse not importable (vLLM as released; PLAIN=1, for the first model only)
+#   arfuse-pdl  ARFUSE_VLLM=1 ARFUSE_VLLM_PDL=1 (with MODES="arfuse arfuse-pdl")
 # -- then scripts/vllm_e2e.py compare. Needs vLLM unpacked by scripts/vllm-gpu-unpack.sh (in
 # VLLM_SITE, default /tmp/vllm-site) and the arfuse wheel (dist/arfuse-*.whl, built here with
 # `make`: carry dist).
 #
 #   scripts/vllm-gpu-e2e.sh OUTDIR MODEL...      (MODEL: a folder name under scripts/e2e-models)
 #
-# Knobs: DEADLINE_S (default 570: no engine starts after it, a running one is cut at it),
+# Knobs: MODES (the runs after `vllm`, default "arfuse"; also arfuse-pdl), DEADLINE_S (default
+# 570: no engine starts after it, a running one is cut at it),
 # REPS (latency repetitions, default 7), CAPTURE_SIZES (CUDA-graph sizes; default vLLM's list),
 # ATTN (attention backend; default vLLM's choice: FLASH_ATTN with FA3, FLASH_ATTN_MLA), PLAIN=1.
 set -uo pipefail
@@ -50,18 +52,26 @@ engine() {  # model, mode, then the PYTHONPATH
 }
 
 first=1
+rc_all=0
 for model in "$@"; do
   engine "$model" vllm "$arfuse_site:$site" || continue
-  engine "$model" arfuse "$arfuse_site:$site"
-  runs=("$work/$model-vllm.json" "$work/$model-arfuse.json")
+  runs=("$work/$model-vllm.json")
+  for mode in ${MODES:-arfuse}; do
+    engine "$model" "$mode" "$arfuse_site:$site"
+    runs+=("$work/$model-$mode.json")
+  done
   if [ -n "${PLAIN:-}" ] && [ $first -eq 1 ]; then
     engine "$model" plain "$site" && runs+=("$work/$model-plain.json")
   fi
   first=0
   existing=(); for r in "${runs[@]}"; do [ -f "$r" ] && existing+=("$r"); done
-  PYTHONPATH=$site python3 scripts/vllm_e2e.py compare "${existing[@]}" --md "$out/$model.md" | head -n 40
+  # compare exits 1 (one line each, on stderr) where an arfuse run fused nothing or has vLLM's bits
+  PYTHONPATH=$site python3 scripts/vllm_e2e.py compare "${existing[@]}" --md "$out/$model.md" \
+    > "$work/$model-compare.txt" 2>&1 || rc_all=1
+  head -n 60 "$work/$model-compare.txt"
   # after every model: a call cut off still returns what ran
   tar czf "$out/e2e.tgz" -C "$work" $(cd "$work" && ls *.log *.json 2>/dev/null) 2>/dev/null
 done
 tar czf "$out/e2e.tgz" -C "$work" $(cd "$work" && ls *.log *.json 2>/dev/null) 2>/dev/null
 echo "vllm-gpu-e2e: $(( $(date +%s) - start )) s"
+exit $rc_all

@@ -28,6 +28,11 @@ CARRY="vllm cbor2 msgspec pyzmq pybase64 cachetools openai openai-harmony httpx2
   llguidance xgrammar apache-tvm-ffi fastapi starlette partial-json-parser
   pydantic pydantic_core typing-inspection annotated-types depyf astor dill typing_extensions"
 
+# The OpenAI-compatible server's own imports (vllm/entrypoints/openai/api_server.py and what it
+# pulls in), found by reading them: uvicorn, prometheus-fastapi-instrumentator, python-multipart
+# (FastAPI's form parsing, which the transcription routes need at import), sse-starlette.
+SERVE="uvicorn prometheus-fastapi-instrumentator python-multipart sse-starlette"
+
 # vLLM's Requires-Dist that are neither carried nor on the image: no import of an offline run needs
 # them (server/API, tracing, other grammars, other kernels, weight loaders, media); optional ones
 # vLLM guards (setproctitle, blake3 for multimodal hashing) fall back when absent.
@@ -117,3 +122,10 @@ t1=$(date +%s)
   echo "not_carried" $NOT_CARRIED
 } >"$OUT/manifest.txt"
 cat "$OUT/manifest.txt" | grep -E '^(#|whole|unpacked|parts|part )'
+
+# 5. what `vllm serve` needs beyond an offline run (scripts/vllm-gpu-serve.sh): pure-Python wheels,
+# carried as they are in $OUT/serve (under 1 MiB together) and installed there into /tmp/serve-site
+mkdir -p "$OUT/serve"
+serve=(); for d in $SERVE; do serve+=("$(pin "$d")"); done
+"$PY" -m pip download -q --no-deps $PLAT -d "$OUT/serve" "${serve[@]}"
+echo "serve wheels: $(ls "$OUT/serve" | tr '\n' ' ')"

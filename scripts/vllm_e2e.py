@@ -52,6 +52,7 @@ PROMPTS, PROMPT_LEN, GEN = 4, 64, 32
 # difference) varies by about +-2 ms, which 64 steps (the runs of 2026-12-04) left at +-0.03 ms
 # per step and once negative (docs/vllm.md).
 DECODE_STEPS, DECODE_PROMPT = 256, 128
+PROFILE_DECODE = 32  # decode steps of the profiled batch-1 generation
 PREFILL = 8192
 LOG_PATTERNS = ("arfuse", "Available KV cache memory", "Model loading took",
                 "torch.compile took", "Graph capturing finished", "peak")
@@ -187,6 +188,18 @@ def run_engine(a) -> dict:
     llm.generate(p, one, use_tqdm=False)
     llm.stop_profile()
     res["profile"] = profile_counts(profile_dir)
+    # ---- where a decode step's GPU time goes: batch 1, PROFILE_DECODE steps under vLLM's CUDA
+    # graphs (kernels inside a graph replay are traced too), GPU time per kernel name ----
+    seen = set(trace_files(profile_dir))
+    p = random_prompts(rng, 1, DECODE_PROMPT, vocab)
+    dec = SamplingParams(temperature=0.0, max_tokens=1 + PROFILE_DECODE, ignore_eos=True,
+                         detokenize=False)
+    llm.generate(p, dec, use_tqdm=False)  # warm (the same shapes)
+    llm.start_profile()
+    llm.generate(random_prompts(rng, 1, DECODE_PROMPT, vocab), dec, use_tqdm=False)
+    llm.stop_profile()
+    res["decode_profile"] = kernel_times([f for f in trace_files(profile_dir) if f not in seen])
+    res["decode_profile_steps"] = PROFILE_DECODE
     # ---- latency ----
     def timed(batch, n_prompt, max_tokens) -> float:
         ps = random_prompts(rng, batch, n_prompt, vocab)
@@ -218,17 +231,63 @@ def run_engine(a) -> dict:
     return res
 
 
+def trace_files(profile_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(profile_dir, "**", "*.pt.trace.json*"), recursive=True))
+
+
+def _events(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f).get("traceEvents", [])
+
+
+def short_kernel(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list (arfuse's own: kernel,
+    writer and algorithm), at most 100 characters."""
+    m = re.search(r"(arfuse::\w+)<arfuse::KernelConfig<[^,]+, arfuse::(\w+), \(arfuse::Algo\)(\d)",
+                  name)
+    if m:
+        return f"{m.group(1)} {m.group(2)} algo {m.group(3)}"
+    name = re.sub(r"^void ", "", name)
+    depth, out = 0, []
+    for ch in name:  # drop <...> and (...) groups
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            out.append(ch)
+    return "".join(out).strip()[:100] or name[:100]
+
+
+def kernel_times(files: list[str]) -> dict:
+    """GPU time by kernel (and memcpy / memset) in the traces: {short name: [total µs, count]},
+    the 60 largest; "_total" sums every GPU event."""
+    acc: dict = {}
+    total = 0.0
+    for path in files:
+        for ev in _events(path):
+            if ev.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+                continue
+            dur = float(ev.get("dur", 0.0))
+            total += dur
+            key = short_kernel(ev.get("name", "")) if ev["cat"] == "kernel" else ev["cat"]
+            a = acc.setdefault(key, [0.0, 0])
+            a[0] += dur
+            a[1] += 1
+    top = dict(sorted(acc.items(), key=lambda kv: -kv[1][0])[:60])
+    top["_total"] = [total, sum(a[1] for a in acc.values())]
+    return top
+
+
 def profile_counts(profile_dir: str) -> dict:
     """Call counts, from the worker's torch-profiler trace of one prefill, of the ops and
     kernels that tell the MoE tails apart: arfuse's fused op and kernel, vLLM's moe_sum, the rows
     ops, vLLM's MoE ops and norms (CPU ops by their schema name, GPU kernels by a short name)."""
     keys = ("arfuse", "moe_sum", "moe_forward", "rms_norm", "all_reduce")
     counts: dict = {}
-    for path in glob.glob(os.path.join(profile_dir, "**", "*.pt.trace.json*"), recursive=True):
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            events = json.load(f).get("traceEvents", [])
-        for ev in events:
+    for path in trace_files(profile_dir):
+        for ev in _events(path):
             cat, name = ev.get("cat", ""), ev.get("name", "")
             if cat not in ("cpu_op", "kernel") or not any(k in name for k in keys):
                 continue
@@ -416,6 +475,7 @@ def compare(paths: list[str], md: str | None) -> str:
     for n in names:
         out.append(f"| calls in one 1000-token prefill: `{n}` | " +
                    " | ".join(str(r["profile"].get(n, 0)) for r in runs) + " |")
+    out += decode_profile_table(runs, base)
     out.append("")
     for r in runs:
         for ln in r["engine_log"]["arfuse_lines"] + r["engine_log"]["arfuse_errors"]:
@@ -426,6 +486,32 @@ def compare(paths: list[str], md: str | None) -> str:
     if md:
         Path(md).write_text(text)
     return text
+
+
+def decode_profile_table(runs: list[dict], base: dict, rows: int = 14) -> list[str]:
+    """GPU time per decode step (µs) by kernel, batch 1, for the kernels whose time differs most
+    between the runs (the profiler's trace of PROFILE_DECODE steps; its prefill included)."""
+    if not all(r.get("decode_profile") for r in runs):
+        return []
+    steps = base.get("decode_profile_steps") or PROFILE_DECODE
+    names = {k for r in runs for k in r["decode_profile"] if k != "_total"}
+
+    def per_step(r, k):
+        return r["decode_profile"].get(k, [0.0, 0])[0] / steps
+
+    spread = sorted(names, key=lambda k: -max(abs(per_step(r, k) - per_step(base, k))
+                                              for r in runs))
+    out = ["", f"GPU time per decode step at batch 1 (µs; the profiler over {steps} steps), "
+           "the kernels that differ most:", "",
+           "| kernel | " + " | ".join(r["mode"] for r in runs) + " |",
+           "|---|" + "---:|" * len(runs)]
+    out.append("| all GPU work | " + " | ".join(f"{per_step(r, '_total'):.1f}" for r in runs)
+               + " |")
+    for k in spread[:rows]:
+        out.append(f"| `{k[:90]}` | " + " | ".join(
+            f"{per_step(r, k):.1f} ({r['decode_profile'].get(k, [0, 0])[1] / steps:.2g}×)"
+            for r in runs) + " |")
+    return out
 
 
 def _f(v) -> str:

@@ -118,3 +118,23 @@ def test_compare_fails_when_the_arfuse_run_has_vllms_bits(tmp_path, capsys):
     assert E.main(["compare", *paths]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "arfuse-pdl run is bitwise equal to the vllm run" in err[0], err
+
+
+def test_kernel_times_and_the_decode_table(tmp_path):
+    name = ("void arfuse::fused_kernel<arfuse::KernelConfig<__nv_bfloat16, arfuse::NormWriter, "
+            "(arfuse::Algo)3, 2048, 1, 128, 1, 1, 2, 0> >(arfuse::LaunchParams)")
+    events = [{"cat": "kernel", "name": name, "dur": 2.0}] * 4 + \
+        [{"cat": "kernel", "name": "void at::native::vectorized_elementwise_kernel<4, at::native::"
+          "FillFunctor<float>, at::detail::Array<char*, 1> >(int, at::native::FillFunctor<float>)",
+          "dur": 1.5}] * 2 + [{"cat": "gpu_memcpy", "name": "Memcpy DtoH", "dur": 3.0},
+                              {"cat": "cpu_op", "name": "aten::mm", "dur": 100.0}]
+    (tmp_path / "w.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    t = E.kernel_times(E.trace_files(str(tmp_path)))
+    assert t["arfuse::fused_kernel NormWriter algo 3"] == [8.0, 4]
+    assert t["at::native::vectorized_elementwise_kernel"] == [3.0, 2]
+    assert t["gpu_memcpy"] == [3.0, 1] and t["_total"] == [14.0, 7]
+    base, other = {"mode": "vllm", "decode_profile": {"_total": [40.0, 4], "k": [40.0, 4]},
+                   "decode_profile_steps": 2}, \
+        {"mode": "arfuse", "decode_profile": {"_total": [20.0, 2], "k": [20.0, 2]}}
+    lines = E.decode_profile_table([base, other], base)
+    assert "| all GPU work | 20.0 | 10.0 |" in lines and "| `k` | 20.0 (2×) | 10.0 (1×) |" in lines

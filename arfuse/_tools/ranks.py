@@ -21,10 +21,23 @@ def torchrun_world() -> int | None:
     return None
 
 
+def parse_device(text: str) -> str:
+    """argparse type of the tools' --device: auto, cuda, cpu or cuda:K."""
+    t = text.strip().lower()
+    if t in ("auto", "cuda", "cpu"):
+        return t
+    if t.startswith("cuda:") and t[5:].isdigit():
+        return t
+    raise ValueError(f"--device {text!r}: want auto, cuda (cuda:LOCAL_RANK), cuda:K (every rank "
+                     "on GPU K: ranks sharing one GPU) or cpu")
+
+
 class ProcessRanks:
-    """device: "cuda", "cpu" or "auto" (CUDA when visible); backend: "nccl", "gloo" or "auto"
-    (NCCL on CUDA, gloo on the CPU). An existing default process group is used as it is (and
-    left open by close())."""
+    """device: "cuda" (cuda:LOCAL_RANK), "cuda:K" (every rank of this host on GPU K: ranks sharing
+    one GPU, a test mode; docs/multigpu.md), "cpu" or "auto" (CUDA when visible); backend:
+    "nccl", "gloo" or "auto" (NCCL on CUDA with one rank per GPU, gloo otherwise: NCCL refuses
+    two ranks on one GPU). An existing default process group is used as it is (and left open by
+    close())."""
 
     def __init__(self, *, device: str = "auto", backend: str = "auto",
                  timeout_s: float = 600.0):
@@ -37,23 +50,34 @@ class ProcessRanks:
         self.launched_world = world or 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
 
+        try:
+            device = parse_device(device)
+        except ValueError as e:
+            raise RanksError(str(e)) from None
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda":
+        self.shared_device = device.startswith("cuda:")
+        if device.startswith("cuda"):
+            index = int(device[5:]) if self.shared_device else self.local_rank
             if not torch.cuda.is_available():
-                raise RanksError("--device cuda: no CUDA device is visible")
-            if self.local_rank >= torch.cuda.device_count():
-                raise RanksError(f"LOCAL_RANK {self.local_rank} but only "
-                                 f"{torch.cuda.device_count()} CUDA devices are visible")
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
+                raise RanksError(f"--device {device}: no CUDA device is visible")
+            if index >= torch.cuda.device_count():
+                what = f"--device {device}" if self.shared_device else f"LOCAL_RANK {index}"
+                raise RanksError(f"{what} but only {torch.cuda.device_count()} CUDA devices are "
+                                 "visible")
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
         else:
             self.device = torch.device("cpu")
         self.is_cuda = self.device.type == "cuda"
         if backend == "auto":
-            backend = "nccl" if self.is_cuda else "gloo"
+            backend = "nccl" if self.is_cuda and not self.shared_device else "gloo"
         if backend == "nccl" and not self.is_cuda:
             raise RanksError("--backend nccl needs CUDA devices")
+        if backend == "nccl" and self.shared_device and (world or 1) > 1:
+            raise RanksError(f"--backend nccl with --device {device}: NCCL refuses two ranks on "
+                             "one GPU; use --backend gloo (arfuse exchanges only its buffers' "
+                             "handles through the group)")
 
         timeout = _dt.timedelta(seconds=timeout_s)
         self.owns_pg = False

@@ -60,6 +60,15 @@ QUICK_REPLAYS = 200
 class DistCheckError(Exception):
     """A user-facing error: one line, exit status 2."""
 
+def _device(text: str) -> str:
+    from .._tools.ranks import parse_device
+
+    try:
+        return parse_device(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .._cli import HelpFormatter
 
@@ -87,9 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "case name, so --seed S --only SUITE reproduces a case")
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="default process group's backend (auto: nccl with CUDA, else gloo)")
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+    p.add_argument("--device", type=_device, default="auto",
                    help="auto: cuda:LOCAL_RANK when CUDA is available, else the CPU (world "
-                        "size 1 only: the CPU implementation)")
+                        "size 1 only: the CPU implementation); cuda:K puts every rank on GPU K "
+                        "(ranks sharing one GPU: a test mode, with --backend gloo; "
+                        "docs/multigpu.md)")
     p.add_argument("--timeout-s", type=float, default=10.0,
                    help="communicator wait timeout: a call that waits longer for a peer gives "
                         "up (NaN outputs, the case fails) instead of hanging")
