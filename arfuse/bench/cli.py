@@ -218,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = p.add_argument_group("run")
     run.add_argument("--emulate", action="store_true",
                      help="one GPU, N ranks via arfuse.testing.LocalGroup")
+    run.add_argument("--device", default="cuda",
+                     help="under torchrun: cuda (cuda:LOCAL_RANK, one GPU per rank) or cuda:K "
+                     "(every rank on GPU K: ranks sharing one GPU, a test mode; only arfuse's "
+                     "implementations run, with gloo for the handle exchange, and the figures "
+                     "are labelled as such: they are not the speed of a TP group)")
     run.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
                      help="comma list of implementations to time (default: those listed below; "
                      "arfuse_q and arfuse_sepq only with --quant)")
@@ -259,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_args(ns: argparse.Namespace, *, env_world: int | None = None) -> argparse.Namespace:
     """Checks and completes parsed arguments (no GPU needed). Raises BenchError."""
     ns.tokens = parse_tokens(ns.tokens)
+    ns.impls_given = ns.impls != ",".join(DEFAULT_IMPLS)
     ns.impls = list(TUNE_IMPLS) if ns.tune else parse_impls(ns.impls)
     quant_impls = ("arfuse_q", "arfuse_sepq")
     if ns.quant and not ns.tune:
@@ -314,6 +320,22 @@ def resolve_args(ns: argparse.Namespace, *, env_world: int | None = None) -> arg
             raise BenchError(f"--world-size {ns.world_size} but torchrun started {env_world} "
                              "processes")
         ns.world_size = env_world
+    from .._tools.ranks import parse_device
+
+    try:
+        ns.device = parse_device(ns.device)
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    if ns.device not in ("cuda", "auto") and not ns.device.startswith("cuda:"):
+        raise BenchError(f"--device {ns.device}: the benchmark runs on CUDA devices")
+    ns.shared_gpu = ns.device.startswith("cuda:") and not ns.emulate and ns.world_size > 1
+    if ns.shared_gpu:
+        # NCCL refuses two ranks on one GPU; the unfused pipeline's all-reduce is NCCL's
+        needs_nccl = [i for i in ns.impls if not i.startswith("arfuse")]
+        if needs_nccl and ns.impls_given:
+            raise BenchError(f"--device {ns.device}: {', '.join(needs_nccl)} need NCCL with one "
+                             "GPU per rank; with ranks sharing one GPU only arfuse's run")
+        ns.impls = [i for i in ns.impls if i.startswith("arfuse")]
     if not 1 <= ns.world_size <= MAX_WORLD:
         raise BenchError(f"--world-size must be in 1..{MAX_WORLD}, got {ns.world_size}")
 

@@ -84,7 +84,9 @@ def make_setup(args) -> Setup:
         rank, ranks, comm, pranks = 0, list(range(args.world_size)), None, None
     else:
         from arfuse._tools.ranks import ProcessRanks
-        pranks = ProcessRanks(device="cuda", backend="nccl")
+        shared = getattr(args, "shared_gpu", False)
+        pranks = ProcessRanks(device=args.device if shared else "cuda",
+                              backend="gloo" if shared else "nccl")
         rank, device = pranks.rank, pranks.device
         comm = ar.Communicator(None, max_tokens=max_tokens, hidden=args.hidden, dtype=dtype,
                                device=device, timeout_s=args.comm_timeout)

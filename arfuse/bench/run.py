@@ -82,6 +82,10 @@ def _first_line(e: BaseException) -> str:
 def _run(setup: Setup, on_token_done=None, factories=None) -> dict:
     a = setup.args
     notes = setup.notes
+    if getattr(setup.args, "shared_gpu", False):
+        notes.append(f"ranks sharing one GPU ({setup.args.device}, {setup.world_size} processes): "
+                     "a test mode, NOT the speed of a tensor-parallel group; the unfused "
+                     "pipeline is not run (NCCL needs one GPU per rank)")
     copy_gbps = copy_bandwidth(setup.device, a.copy_mb)
     thr = oneshot_threshold(setup)
     if thr is None:

@@ -66,10 +66,8 @@ def plan(vllm_config: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
     if s.max_tokens is not None:
         max_tokens = min(max_tokens, s.max_tokens)
-    oneshot = s.oneshot_max_tokens
-    if oneshot is not None:
-        oneshot = min(oneshot, max_tokens)
     tp = get_tp_group()
+    oneshot = oneshot_capacity(s, dtype, hidden, world, max_tokens, tp.device)
     key = (tp.unique_name, hidden, dtype, max_tokens, oneshot, s.pdl)
     kwargs = dict(
         group=tp.cpu_group,
@@ -82,6 +80,28 @@ def plan(vllm_config: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         pdl=s.pdl,
     )
     return key, kwargs
+
+
+def oneshot_capacity(s: Any, dtype: Any, hidden: int, world: int, max_tokens: int,
+                     device: Any) -> int | None:
+    """The communicator's one-shot capacity (tokens): ARFUSE_VLLM_ONESHOT_MAX_TOKENS if set;
+    max_tokens when ARFUSE_VLLM_ALGORITHM=oneshot forces one-shot for every call; else what auto
+    can dispatch to one-shot on this card (arfuse.oneshot_threshold: the measured row for this
+    dtype, hidden size and world size). The buffer holds three slots of max(N * this, ~2 *
+    max_tokens) rows (arfuse.comm.buffer_bytes), so sizing one-shot by auto's need rather than
+    by max_tokens cuts it up to N/2 times (DeepSeek-V3 at TP 8, 8192 tokens: 2.6 GiB -> 0.66 GiB).
+    None at world size 1 (no buffer)."""
+    if world <= 1:
+        return None
+    if s.oneshot_max_tokens is not None:
+        return min(s.oneshot_max_tokens, max_tokens)
+    if s.algorithm == "oneshot":
+        return max_tokens
+    import arfuse
+    import torch
+
+    card = torch.cuda.get_device_name(device) if torch.cuda.is_available() else None
+    return max(1, min(max_tokens, arfuse.oneshot_threshold(dtype, hidden, world, card=card)))
 
 
 def fp8_supported(dtype: Any, hidden: int, world_size: int, algorithm: str = "auto",
@@ -147,7 +167,12 @@ def get_communicator(vllm_config: Any, *, create: bool = True) -> Any | None:
         group = kwargs.pop("group")
         comm = arfuse.Communicator(group, **kwargs)
         _communicators[key] = comm
-        logger.info("arfuse: %r", comm)
+        logger.info("arfuse: %r: one-shot up to %s tokens, buffer %.1f MiB per rank", comm,
+                    comm.oneshot_max_tokens, comm.buffer_bytes / 2**20)
+        if comm.world_size > 1 and comm.device.type == "cuda":
+            from . import watch
+
+            watch.watch(comm)  # a broken call stops this process instead of serving NaN
         return comm
 
 

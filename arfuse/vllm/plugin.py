@@ -191,11 +191,70 @@ def _after_configure(pass_manager: Any, result: Any, args: Any, kwargs: Any) -> 
 
 def _after_load_model(worker: Any, result: Any, args: Any, kwargs: Any) -> Any:
     global _worker_config
-    _worker_config = worker.vllm_config
-    comm = _comms.get_communicator(worker.vllm_config)
-    if comm is not None:
-        switch_moe_rows(worker.vllm_config)
+    config = _worker_config = worker.vllm_config
+    if _comms.tensor_parallel_size() <= 1:  # no peers: nothing to agree on
+        comm = _comms.get_communicator(config)
+        if comm is not None:
+            switch_moe_rows(config)
+        return result
+    # Tensor parallelism > 1: the ranks fuse together or not at all. A rank that cannot (no
+    # library, no kernel, a failed switch) would otherwise run vLLM's all-reduce while its peers
+    # wait in arfuse's kernel for it. Two agreements over the TP group's CPU (gloo) group: before
+    # the communicator is created (collectively), and after the MoE layers were switched.
+    ok, why = _step(lambda: _comms.plan(config) is not None)
+    if not _agree(ok, why, "before creating the communicator"):
+        return result
+    comm = _comms.get_communicator(config)
+    switched: list[str] = []
+
+    def switch() -> bool:
+        switched.extend(switch_moe_rows(config))
+        return comm is not None
+
+    ok, why = _step(switch)
+    if _agree(ok, why, "after switching the MoE layers"):
+        from . import watch
+
+        # every step's result leaves only after the communicators' error words were read
+        _guard.after_hook(type(worker), "execute_model", watch.after_step,
+                          "Worker.execute_model hook")
+    else:
+        from . import moe_rows
+
+        n = moe_rows.restore(config)
+        if n:
+            logger.info("arfuse: vLLM's own finalize put back in %d MoE layers", n)
     return result
+
+
+def _step(fn: Any) -> tuple[bool, str]:
+    """(whether fn() returned true and arfuse is still on in this process, why not)."""
+    try:
+        ok = bool(fn()) and _guard.active()
+    except _guard.FusionOff:
+        raise
+    except Exception as e:  # noqa: BLE001  (the agreement must still be reached on every rank)
+        return False, _guard.describe(e)
+    return ok, "" if ok else (_guard.disabled_reason() or "nothing to fuse")
+
+
+def _agree(ok: bool, why: str, when: str) -> bool:
+    """Whether every rank of vLLM's tensor-parallel group is ok (all_gather over its CPU group).
+    Where one is not, every rank switches arfuse off with one line naming the first such rank and
+    its reason (in strict mode: raises)."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    gathered: list = [None] * tp.world_size
+    dist.all_gather_object(gathered, (ok, why), group=tp.cpu_group)
+    bad = [(r, w) for r, (o, w) in enumerate(gathered) if not o]
+    if not bad:
+        return True
+    rank, reason = bad[0]
+    _guard.disable(f"{when}: rank {rank} of the tensor-parallel group cannot fuse ({reason}); "
+                   f"every rank of the group stays unfused")
+    return False
 
 
 _rows_problems: list[str] | None = None

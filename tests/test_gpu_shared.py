@@ -1,0 +1,77 @@
+"""Ranks as real processes sharing one GPU (gloo, the real Communicator, CUDA IPC), under MPS:
+a failing rank is contained the way NCCL contains it -- its peers give up within the timeout,
+say so in one line and exit with arfuse.vllm.watch.EXIT_CODE, and no NaN output is returned.
+
+Needs a GPU and an MPS daemon (run under scripts/mps.sh, which sets CUDA_MPS_PIPE_DIRECTORY):
+without MPS the processes' kernels are time-sliced and cannot wait for each other in time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import checkout
+
+pytestmark = pytest.mark.gpu
+PROBE = Path(__file__).with_name("fault_probe.py")
+
+
+def launch(world: int, **env) -> list[subprocess.Popen]:
+    if not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        pytest.skip("needs CUDA MPS: run under scripts/mps.sh (several processes on one GPU)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        e = checkout.pythonpath(os.environ)
+        e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), **{k: str(v) for k, v in env.items()})
+        procs.append(subprocess.Popen([sys.executable, str(PROBE)], env=e, cwd=checkout.cwd(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish(p: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out = p.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out = p.communicate()[0]
+        return -999, out
+    return p.returncode, out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_healthy_group_runs_every_step(world):
+    procs = launch(world, FAULT="none", STEPS=50, TIMEOUT_S=20)
+    for r, p in enumerate(procs):
+        rc, out = finish(p, 180)
+        assert rc == 0, f"rank {r}: exit {rc}\n{out[-3000:]}"
+        assert out.count(" ok max|out| ") == 50 and "NAN" not in out
+        assert f"ranks_per_device={world}" in out
+
+
+@pytest.mark.parametrize("fault", ["kill", "sleep"])
+def test_a_peer_that_stops_ends_its_peers_loudly(fault):
+    from arfuse.vllm.watch import EXIT_CODE
+
+    timeout_s = 5
+    procs = launch(2, FAULT=fault, FAULT_AFTER=5, STEPS=20, TIMEOUT_S=timeout_s)
+    t0 = time.monotonic()
+    rc, out = finish(procs[0], timeout_s + 120)
+    took = time.monotonic() - t0
+    procs[1].kill()
+    finish(procs[1], 30)
+    assert rc == EXIT_CODE, f"rank 0: exit {rc} after {took:.0f} s\n{out[-3000:]}"
+    assert "gave up waiting for rank 1" in out and "NAN RETURNED" not in out, out[-3000:]
+    assert out.count(" ok max|out| ") == 5, out[-3000:]  # the steps before the fault only
+    print(f"{fault}: rank 0 exit {rc} after {took:.1f} s; its last lines:\n" +
+          "\n".join(out.strip().splitlines()[-3:]))
