@@ -32,8 +32,10 @@ check() {  # name, N, then arfuse.check arguments
   [ "$t" -gt 30 ] || { summary "$name: not run (deadline)"; rc_all=1; return; }
   [ -z "${CAP:-}" ] || [ "$t" -le "$CAP" ] || t=$CAP
   local t0; t0=$(date +%s)
-  timeout "$t" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" -m arfuse.check \
-    --device cuda:0 --backend gloo --out "$work/$name" --name "$name" "$@" >"$work/$name.log" 2>&1
+  # from the work folder: `python -m` puts the working directory first on sys.path, and the
+  # checkout's arfuse (without its library) must not shadow the one under test
+  (cd "$work" && timeout "$t" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" -m arfuse.check \
+    --device cuda:0 --backend gloo --out "$work/$name" --name "$name" "$@" >"$work/$name.log" 2>&1)
   local rc=$?
   local res; res=$("$PY" - "$work/$name/$name.json" <<'PYEOF'
 import json, sys
@@ -59,9 +61,10 @@ if [ "${TIMESLICED:-1}" = 1 ]; then  # without MPS: the processes' kernels take 
 fi
 if [ "${BENCH:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
   t0=$(date +%s)
-  scripts/mps.sh timeout "$(left)" "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
-    -m arfuse.bench --model qwen3-30b-a3b --device cuda:0 --tokens 1,16,128,1024 \
-    --out "$work/bench" --no-plot >"$work/bench.log" 2>&1
+  mps=$PWD/scripts/mps.sh
+  (cd "$work" && "$mps" timeout "$(left)" "$PY" -m torch.distributed.run --standalone \
+    --nproc-per-node 2 -m arfuse.bench --model qwen3-30b-a3b --device cuda:0 \
+    --tokens 1,16,128,1024 --out "$work/bench" --no-plot >"$work/bench.log" 2>&1)
   rc=$?
   summary "bench (ranks sharing one GPU, N=2, qwen3-30b-a3b): rc=$rc $(( $(date +%s) - t0 )) s"
   [ $rc -eq 0 ] || rc_all=1
