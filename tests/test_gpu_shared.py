@@ -49,7 +49,9 @@ def finish(p: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return p.returncode, out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.xfail(
+    reason="open (issue 40): on an H100 at 1bbe0b2 a peer of 4 closed its gloo connection at "
+           "creation; docs/multigpu.md, 'Ranks sharing one GPU'", strict=False))])
 def test_healthy_group_runs_every_step(world):
     procs = launch(world, FAULT="none", STEPS=50, TIMEOUT_S=20)
     for r, p in enumerate(procs):
