@@ -91,3 +91,21 @@ def test_the_entry_point_names_a_module_of_the_wheel(wheel, members):
     module = target.split(":")[0]
     assert module.replace(".", "/") + ".py" in members or \
         module.replace(".", "/") + "/__init__.py" in members, (target, sorted(members)[:20])
+
+
+def test_the_readme_states_the_versions_the_files_pin():
+    """The README's versions are the ones pyproject.toml and the requirements files pin."""
+    import re
+
+    readme = " ".join((ROOT / "README.md").read_text().split())  # line breaks as spaces
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    py = project["requires-python"].removeprefix(">=")
+    assert f"Python ≥ {py} (`requires-python`" in readme, py
+    torch_pin = re.search(r"^torch==(\S+)", (ROOT / "requirements.txt").read_text(), re.M).group(1)
+    assert f"torch {torch_pin}" in readme, torch_pin
+    assert "torch>=2.11" in project["dependencies"] and "torch 2.11 or later" in readme
+    for req, lane in (("requirements-vllm.txt", "A"), ("requirements-vllm-0.34.txt", "B")):
+        pins = (ROOT / req).read_text()
+        vllm = re.search(r"^vllm==(\S+)", pins, re.M).group(1)
+        torch_v = re.search(r"^torch==(\d+\.\d+)", pins, re.M).group(1)
+        assert f"**lane {lane}** — vLLM {vllm} and torch {torch_v}" in readme, (req, vllm, torch_v)
