@@ -83,21 +83,6 @@ def topology_problems(infos: list[dict]) -> list[str]:
 NUM_SLOTS = 3  # Lamport slots per buffer (kNumSlots, csrc/arfuse/protocol.h)
 
 
-def buffer_bytes(world_size: int, hidden: int, dtype: torch.dtype, max_tokens: int,
-                 oneshot_max_tokens: int | None = None) -> int:
-    """What a Communicator of these arguments allocates per rank for its buffer: three slots,
-    each holding the rows of the larger algorithm it accepts -- one-shot N * oneshot_max_tokens
-    rows (default max_tokens), two-shot ceil(max_tokens / N) * N + max_tokens rows (the rule of
-    rows_per_slot in csrc/arfuse/protocol.h) -- of `hidden` elements. 0 at world size 1."""
-    if world_size <= 1:
-        return 0
-    cap = max_tokens if oneshot_max_tokens is None else oneshot_max_tokens
-    oneshot = world_size * cap
-    twoshot = -(-max_tokens // world_size) * world_size + max_tokens
-    elem = torch.empty((), dtype=dtype).element_size()
-    return NUM_SLOTS * max(oneshot, twoshot) * hidden * elem
-
-
 def max_ranks_per_gpu(infos: list[dict]) -> int:
     """The most ranks of the group on one GPU (by UUID), from the gathered local_topology of every
     rank. The kernels' protocol needs every rank's blocks resident at once: ranks that share a GPU
@@ -221,8 +206,10 @@ class Communicator:
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of this rank's Lamport buffer (three slots; 0 at world size 1), allocated with
-        cudaMalloc outside torch's allocator: see buffer_bytes() for how it is sized."""
+        """Bytes of this rank's Lamport buffer, allocated with cudaMalloc outside torch's
+        allocator: three slots of the rows the larger algorithm it accepts needs (one-shot N *
+        oneshot_max_tokens, two-shot about 2 * max_tokens: rows_per_slot in
+        csrc/arfuse/protocol.h, read back through comm_info); 0 at world size 1."""
         info = torch.ops.arfuse.comm_info(self.handle)
         return NUM_SLOTS * int(info[9]) * torch.empty((), dtype=self.dtype).element_size()
 

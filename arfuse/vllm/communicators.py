@@ -88,8 +88,9 @@ def oneshot_capacity(s: Any, dtype: Any, hidden: int, world: int, max_tokens: in
     max_tokens when ARFUSE_VLLM_ALGORITHM=oneshot forces one-shot for every call; else what auto
     can dispatch to one-shot on this card (arfuse.oneshot_threshold: the measured row for this
     dtype, hidden size and world size). The buffer holds three slots of max(N * this, ~2 *
-    max_tokens) rows (arfuse.comm.buffer_bytes), so sizing one-shot by auto's need rather than
-    by max_tokens cuts it up to N/2 times (DeepSeek-V3 at TP 8, 8192 tokens: 2.6 GiB -> 0.66 GiB).
+    max_tokens) rows (Communicator.buffer_bytes), so sizing one-shot by auto's need rather than
+    by max_tokens cuts it up to N/2 times (DeepSeek-V3 at TP 8, 8192 tokens: 2,688 -> 672 MiB by
+    that rule; docs/vllm.md, "Memory at TP > 1").
     None at world size 1 (no buffer)."""
     if world <= 1:
         return None

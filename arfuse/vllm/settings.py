@@ -54,9 +54,6 @@ class Settings:
     fp8: bool = True
     moe_rows: bool = True
     pdl: bool = False
-    # ARFUSE_VLLM=strict: a start-up failure of the integration raises instead of leaving vLLM
-    # running unfused (arfuse.vllm.guard.disable).
-    strict: bool = False
 
     @property
     def algorithm_code(self) -> int:
@@ -95,10 +92,8 @@ def from_env() -> Settings:
     algorithm = os.environ.get(ALGORITHM_ENV, "auto").strip().lower() or "auto"
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{ALGORITHM_ENV}={algorithm!r}: want one of {sorted(ALGORITHMS)}")
-    raw = os.environ.get(ENABLE_ENV, "").strip().lower()
-    strict = raw == STRICT
     return Settings(
-        enabled=strict or _flag(ENABLE_ENV),
+        enabled=strict_requested() or _flag(ENABLE_ENV),
         max_tokens=_positive_int(MAX_TOKENS_ENV),
         oneshot_max_tokens=_positive_int(ONESHOT_MAX_TOKENS_ENV),
         algorithm=algorithm,
@@ -106,12 +101,12 @@ def from_env() -> Settings:
         fp8=_flag(FP8_ENV, default=True),
         moe_rows=_flag(MOE_ROWS_ENV, default=True),
         pdl=_flag(PDL_ENV),
-        strict=strict,
     )
 
 
 def strict_requested() -> bool:
-    """Whether ARFUSE_VLLM=strict (read without validating the other variables)."""
+    """Whether ARFUSE_VLLM=strict: on, and a start-up failure raises (arfuse.vllm.guard.disable)
+    instead of leaving vLLM unfused. Read without validating the other variables."""
     return os.environ.get(ENABLE_ENV, "").strip().lower() == STRICT
 
 
