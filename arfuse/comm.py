@@ -122,6 +122,10 @@ class Communicator:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device())
         device = torch.device(device)
+        if world > _vocab.MAX_WORLD:  # every rank sees the same size: each refuses alone
+            raise ValueError(f"arfuse: Communicator: group of {world} ranks not supported: a "
+                             f"communicator serves 1..{_vocab.MAX_WORLD} ranks. Nothing was "
+                             "allocated or opened.")
         ranks_per_device = 1
         if world > 1:
             # Before anything is allocated or opened: can every rank reach every other's buffer?
@@ -134,51 +138,91 @@ class Communicator:
                 raise ValueError(f"arfuse: Communicator: group of {world} ranks not supported: "
                                  f"{shown}. Nothing was allocated or opened.")
             ranks_per_device = max_ranks_per_gpu(infos)
-        handle = _op(
-            "comm_create", rank, world, hidden, dtype, max_tokens,
-            -1 if oneshot_max_tokens is None else oneshot_max_tokens, ranks_per_device, device,
-            timeout_s)
-        try:
-            if world > 1:
-                # Peers write into each other's buffers at offsets computed from their own
-                # settings: every rank must have the same ones (else out-of-bounds writes).
-                info = torch.ops.arfuse.comm_info(handle)
-                settings = {"world_size": info[1], "hidden": info[2], "dtype": info[3],
-                            "max_tokens": info[4], "oneshot_max_tokens": info[5],
-                            "slot_elems": info[9], "auto_oneshot_max_tokens": info[11]}
-                card = torch.cuda.get_device_name(info[7])
-                mine = (settings, card, torch.ops.arfuse.comm_ipc_handle(handle).tolist())
-                gathered: list = [None] * world
-                dist.all_gather_object(gathered, mine, group=group)
-                for peer, (theirs, their_card, _) in enumerate(gathered):
-                    for key, value in settings.items():
-                        if theirs[key] == value:
-                            continue
-                        if key == "auto_oneshot_max_tokens":
-                            # Each rank reads its own card's dispatch rows: ranks that disagree
-                            # would run different algorithms for one call (a timeout, not a sum).
-                            raise ValueError(
-                                f"arfuse: Communicator: rank {peer} ({their_card}) would run "
-                                f"one-shot for T <= {theirs[key]}, rank {rank} ({card}) for "
-                                f"T <= {value}: the one-shot/two-shot rows of their cards differ "
-                                "(variants/tuning.yaml card_thresholds); every rank of a group must "
-                                "run on the same kind of card. Nothing was opened.")
-                        raise ValueError(
-                            f"arfuse: Communicator: rank {peer} was created with {key}="
-                            f"{theirs[key]}, rank {rank} with {value}: every rank of the group "
-                            "must pass the same max_tokens, hidden, dtype and oneshot_max_tokens")
-                handles = [h for _, _, h in gathered]
-                _op("comm_open_peers", handle, torch.tensor(handles, dtype=torch.uint8))
-                # Every rank has opened every peer before anyone launches into them.
-                dist.barrier(group=group)
-        except BaseException:
-            torch.ops.arfuse.comm_destroy(handle)
-            raise
+        args = ("comm_create", rank, world, hidden, dtype, max_tokens,
+                -1 if oneshot_max_tokens is None else oneshot_max_tokens, ranks_per_device,
+                device, timeout_s)
+        if world == 1:
+            handle = _op(*args)
+        else:
+            handle = self._create_together(group, rank, world, args)
         self._init(handle)
         self.timeout_s = float(timeout_s)
         self._has_peers, self._peer_group = self._peers(group, world)
         if pdl:
             self.pdl = pdl
+
+    @staticmethod
+    def _create_together(group, rank: int, world: int, args: tuple) -> int:
+        """comm_create on every rank, then one exchange of (error, settings, card, IPC handle):
+        where any rank failed to create (a hidden size or dtype with no kernel, a bad argument,
+        no memory) or was created with other settings, every rank closes what it made and
+        raises one ValueError naming that rank and the reason -- no rank is left waiting for a
+        peer that gave up, and nothing stays allocated. Else every rank opens every peer's
+        buffer, and a barrier follows before anyone launches into them."""
+        import torch.distributed as dist
+
+        handle, error, settings, card, ipc = None, None, None, None, None
+        try:
+            handle = _op(*args)
+            # Peers write into each other's buffers at offsets computed from their own
+            # settings: every rank must have the same ones (else out-of-bounds writes).
+            info = torch.ops.arfuse.comm_info(handle)
+            settings = {"world_size": info[1], "hidden": info[2],
+                        "dtype": str(_vocab.TORCH_DTYPES[info[3]]),
+                        "max_tokens": info[4], "oneshot_max_tokens": info[5],
+                        "slot_elems": info[9], "auto_oneshot_max_tokens": info[11]}
+            card = torch.cuda.get_device_name(info[7])
+            ipc = torch.ops.arfuse.comm_ipc_handle(handle).tolist()
+        except Exception as e:  # noqa: BLE001 -- told to every rank below, then raised
+            error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        try:
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, (error, settings, card, ipc), group=group)
+            failed = [(peer, err) for peer, (err, _, _, _) in enumerate(gathered) if err]
+            if failed:
+                shown = "; ".join(f"rank {peer}: {err}" for peer, err in failed[:4])
+                raise ValueError(f"arfuse: Communicator: creation failed on {len(failed)} of "
+                                 f"{world} ranks ({shown}); every rank refuses. Nothing was "
+                                 "left allocated or opened.")
+            for peer, (_, theirs, their_card, _) in enumerate(gathered):
+                for key, value in settings.items():
+                    if theirs[key] == value:
+                        continue
+                    if key == "auto_oneshot_max_tokens":
+                        # Each rank reads its own card's dispatch rows: ranks that disagree
+                        # would run different algorithms for one call (a timeout, not a sum).
+                        raise ValueError(
+                            f"arfuse: Communicator: rank {peer} ({their_card}) would run "
+                            f"one-shot for T <= {theirs[key]}, rank {rank} ({card}) for "
+                            f"T <= {value}: the one-shot/two-shot rows of their cards differ "
+                            "(variants/tuning.yaml card_thresholds); every rank of a group must "
+                            "run on the same kind of card. Nothing was left allocated or opened.")
+                    raise ValueError(
+                        f"arfuse: Communicator: rank {peer} was created with {key}="
+                        f"{theirs[key]}, rank {rank} with {value}: every rank of the group "
+                        "must pass the same max_tokens, hidden, dtype and oneshot_max_tokens. "
+                        "Nothing was left allocated or opened.")
+            handles = [h for _, _, _, h in gathered]
+            try:
+                _op("comm_open_peers", handle, torch.tensor(handles, dtype=torch.uint8))
+                error = None
+            except Exception as e:  # noqa: BLE001 -- told to every rank below, then raised
+                error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            # Every rank has opened every peer before anyone launches into them (the gather is
+            # the barrier), or every rank learns which could not.
+            opened: list = [None] * world
+            dist.all_gather_object(opened, error, group=group)
+            failed = [(peer, err) for peer, err in enumerate(opened) if err]
+            if failed:
+                shown = "; ".join(f"rank {peer}: {err}" for peer, err in failed[:4])
+                raise ValueError(f"arfuse: Communicator: opening the peers' buffers failed on "
+                                 f"{len(failed)} of {world} ranks ({shown}); every rank refuses. "
+                                 "Nothing was left allocated or opened.")
+        except BaseException:
+            if handle is not None:
+                torch.ops.arfuse.comm_destroy(handle)
+            raise
+        return handle
 
     @staticmethod
     def _peers(group, world: int) -> tuple[bool, object]:

@@ -11,11 +11,13 @@
 # arfuse must be importable (the wheel on PYTHONPATH, or the checkout with its library).
 # Knobs: WORLDS ("2 4 8"), CHECK_ARGS (more arfuse.check arguments, e.g. --quick), DEADLINE_S
 # (560: nothing starts after it, a running step is cut at it), TIMESLICED=0 / BENCH=0 skip those,
-# PYTHON (python3). OUTDIR: summary.txt (one line per step), shared-gpu.tgz (reports and logs).
+# PYTHON (python3), MEMORY=0 / FAULTS=0 skip the communicator-memory table (scripts/comm_memory.py,
+# MEMORY_WORLDS "2 8") and the fault tests (tests/test_gpu_shared.py under MPS). OUTDIR: summary.txt (one line per step), shared-gpu.tgz (reports and logs).
 # Exit status 0 when every step ran and passed, 1 otherwise.
 set -uo pipefail
 out=${1:?usage: scripts/shared-gpu.sh OUTDIR}
 cd "$(dirname "$0")/.."
+root=$PWD
 mkdir -p "$out"; out=$(cd "$out" && pwd)
 work=$(mktemp -d /tmp/shared-gpu.XXXXXX)
 PY=${PYTHON:-python3}
@@ -69,6 +71,25 @@ if [ "${BENCH:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
   summary "bench (ranks sharing one GPU, N=2, qwen3-30b-a3b): rc=$rc $(( $(date +%s) - t0 )) s"
   [ $rc -eq 0 ] || rc_all=1
   cat "$work"/bench/*.md 2>/dev/null | head -n 40
+fi
+if [ "${MEMORY:-1}" = 1 ] && [ "$(left)" -gt 40 ]; then  # item 4: the buffer, measured
+  for n in ${MEMORY_WORLDS:-2 8}; do
+    (cd "$work" && timeout "$(left)" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" \
+      "$root/scripts/comm_memory.py" --out "$work/memory-w$n.md" >"$work/memory-w$n.log" 2>&1)
+    rc=$?
+    summary "memory (ranks sharing one GPU, N=$n): rc=$rc"
+    [ $rc -eq 0 ] || { rc_all=1; tail -n 5 "$work/memory-w$n.log"; }
+    cat "$work/memory-w$n.md" 2>/dev/null
+  done
+fi
+if [ "${FAULTS:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then  # item 3: a peer that stops, under MPS
+  t0=$(date +%s)
+  (cd "$work" && "$root/scripts/mps.sh" timeout "$(left)" "$PY" -m pytest -q -p no:cacheprovider -s \
+    "$root/tests/test_gpu_shared.py" >"$work/faults.log" 2>&1)
+  rc=$?
+  summary "faults (tests/test_gpu_shared.py under MPS): rc=$rc $(( $(date +%s) - t0 )) s"
+  [ $rc -eq 0 ] || rc_all=1
+  grep -E "passed|failed|exit|gave up|CRITICAL" "$work/faults.log" | tail -n 20
 fi
 pack
 echo "shared-gpu: $(( $(date +%s) - start )) s, exit $rc_all"

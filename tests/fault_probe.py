@@ -37,6 +37,15 @@ def main() -> int:
     x = torch.randn(T, H, generator=g, device=device, dtype=torch.bfloat16)
     residual = torch.randn(T, H, generator=g, device=device, dtype=torch.bfloat16)
     gamma = torch.rand(H, generator=g, device=device, dtype=torch.bfloat16)
+    # Each step's own work (the check below) once before any rank's kernel waits: the ranks share
+    # one GPU context under MPS, where a first allocation or a lazily loaded kernel on one rank
+    # waits for every kernel on the GPU, a peer's spinning one included (docs/multigpu.md).
+    out = torch.empty(T, H, device=device, dtype=torch.float32)
+    out.copy_(x)
+    torch.isfinite(out).all().item()
+    out.abs().max().item()
+    torch.cuda.synchronize()
+    dist.barrier()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):  # warm-up, then capture: every rank the same calls
         arfuse.moe_finalize_allreduce_rmsnorm(comm, x, residual, gamma, 1e-6)
@@ -45,6 +54,7 @@ def main() -> int:
         with torch.cuda.graph(graph, stream=stream):
             norm_out, _ = arfuse.moe_finalize_allreduce_rmsnorm(comm, x, residual, gamma, 1e-6)
     torch.cuda.synchronize()
+    dist.barrier()
     for step in range(steps):
         if rank == world - 1 and step == after and fault != "none":
             print(f"rank {rank}: {fault} at step {step}", flush=True)
@@ -54,8 +64,8 @@ def main() -> int:
         graph.replay()
         torch.cuda.synchronize()
         watch.check(f"after step {step}")  # what the Worker.execute_model hook does
-        out = norm_out.float()
-        if not torch.isfinite(out).all():
+        out.copy_(norm_out)
+        if not torch.isfinite(out).all().item():
             print(f"rank {rank} step {step}: NAN RETURNED", flush=True)
             return 9
         print(f"rank {rank} step {step} ok max|out| {out.abs().max().item():.3f}", flush=True)

@@ -21,9 +21,10 @@ import checkout
 
 pytestmark = pytest.mark.gpu
 PROBE = Path(__file__).with_name("fault_probe.py")
+CREATE_PROBE = Path(__file__).with_name("create_probe.py")
 
 
-def launch(world: int, **env) -> list[subprocess.Popen]:
+def launch(world: int, probe: Path = PROBE, **env) -> list[subprocess.Popen]:
     if not os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
         pytest.skip("needs CUDA MPS: run under scripts/mps.sh (several processes on one GPU)")
     with socket.socket() as s:
@@ -34,7 +35,7 @@ def launch(world: int, **env) -> list[subprocess.Popen]:
         e = checkout.pythonpath(os.environ)
         e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), **{k: str(v) for k, v in env.items()})
-        procs.append(subprocess.Popen([sys.executable, str(PROBE)], env=e, cwd=checkout.cwd(),
+        procs.append(subprocess.Popen([sys.executable, str(probe)], env=e, cwd=checkout.cwd(),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
@@ -77,3 +78,28 @@ def test_a_peer_that_stops_ends_its_peers_loudly(fault):
     assert out.count(" ok max|out| ") == 5, out[-3000:]  # the steps before the fault only
     print(f"{fault}: rank 0 exit {rc} after {took:.1f} s; its last lines:\n" +
           "\n".join(out.strip().splitlines()[-3:]))
+
+
+@pytest.mark.parametrize("case, rule", [
+    ("max_tokens", "was created with max_tokens="),
+    ("hidden", "was created with hidden="),
+    ("dtype", "was created with dtype=torch.float"),
+    ("bad_hidden", "creation failed on 1 of 2 ranks (rank 1: hidden: 2052 must be a positive "
+                   "multiple of 8"),
+])
+def test_mismatched_ranks_are_refused_on_every_rank(case, rule):
+    """Every rank refuses with one clear error (naming the rank that differs and the rule), none
+    waits for a peer that gave up, and no buffer is left allocated on the GPU."""
+    outs = [finish(p, 120) for p in launch(2, CREATE_PROBE, CASE=case)]
+    for r, (rc, out) in enumerate(outs):
+        assert rc == 0, f"rank {r}: exit {rc}\n{out[-3000:]}"
+        refused = [ln for ln in out.splitlines() if ln.startswith(f"rank {r}: refused: ")]
+        assert len(refused) == 1 and rule in refused[0], out[-3000:]
+        assert f"rank {r}: leftover 0 bytes" in out, out[-3000:]
+
+
+def test_a_matching_group_is_created_and_leaves_nothing_after_close():
+    outs = [finish(p, 120) for p in launch(2, CREATE_PROBE, CASE="none")]
+    for r, (rc, out) in enumerate(outs):
+        assert rc == 0 and f"rank {r}: created" in out, out[-3000:]
+        assert f"rank {r}: leftover 0 bytes" in out, out[-3000:]

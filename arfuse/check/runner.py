@@ -70,6 +70,17 @@ class Runner:
             self.dist.all_gather(parts, bc, group=self.gloo)
         return [p.view(t.dtype).reshape(t.shape) for p in parts]
 
+    def before_launch(self) -> None:
+        """Ranks sharing one GPU (``--device cuda:K``): a barrier between each rank's set-up of a
+        call and its launch. Under MPS the ranks' processes share one GPU context, and an
+        implicitly synchronising call on one rank (a cudaMalloc as torch's cache grows, a lazily
+        loaded kernel) waits for every kernel on the GPU -- a peer's kernel spinning for this
+        rank's rows included -- so it would stall both until the timeout. With the barrier every
+        rank's allocations are done before any rank's kernel waits. Not done with a GPU per rank:
+        there the check keeps testing ranks that arrive at a call at different times."""
+        if self.ranks.shared_device and self.world > 1 and not self.fake:
+            self.ranks.barrier()
+
     def sync(self):
         if self.is_cuda:
             self.torch.cuda.synchronize(self.device)

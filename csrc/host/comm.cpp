@@ -14,6 +14,7 @@
 #include "arfuse/protocol.h"
 #include "host/device.h"
 #include "host/errors.h"
+#include "host/launch.h"
 
 namespace arfuse::host {
 
@@ -191,6 +192,7 @@ int64_t create(int64_t rank, int64_t world_size, int64_t hidden, ScalarType dtyp
   if (c->cuda && world_size > 1) {
     try {
       allocate(*c);
+      preload(*c);
     } catch (...) {
       release(*c);
       throw;

@@ -100,6 +100,31 @@ void launch_fused(const Comm& c, const Checked& k, const Inputs& in, double eps,
   t_pending.push_back(Pending{&c, k.instance, p, stream, c.device_index, std::move(keep)});
 }
 
+void preload(const Comm& c) {
+  if (!c.cuda || c.world <= 1) return;
+  LaunchParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.hidden = c.hidden;
+  p.world_size = c.world;
+  p.rank = c.rank;
+  p.ranks_per_device = c.ranks_per_device;
+  p.prepare_only = 1;
+  const DeviceScope scope(c.device_index);
+  cudaStream_t stream = current_stream(c.device_index);
+  int count = 0;
+  const Instance* table = instance_table(&count);
+  for (int i = 0; i < count; ++i) {
+    const Instance& e = table[i];
+    if (e.dtype != c.dtype || e.algo == Algo::kLocal) continue;
+    const bool specialised = e.hidden == c.hidden && e.world_size == c.world;
+    const bool generic = e.hidden == 0 && e.world_size == 0 && c.hidden <= e.max_hidden;
+    if (!specialised && !generic) continue;
+    // Best effort: an instance that cannot serve this communicator (a generic one's hidden rule,
+    // a grid that does not fit) reports it with a clear error at its launch, as before.
+    if (e.launch(p, stream) != cudaSuccess) (void)cudaGetLastError();
+  }
+}
+
 void defer(bool enable) {
   ARFUSE_CHECK_VALUE(!enable || t_pending.empty(), "defer_launches: ", t_pending.size(),
                      " deferred launches were never flushed");

@@ -45,6 +45,13 @@ struct Inputs {
 void launch_fused(const Comm& c, const Checked& k, const Inputs& in, double eps,
                   double weight_bias, double routed_scaling, const Outputs& out);
 
+// Loads every kernel instance that may serve a call of this communicator (its dtype, hidden and
+// world size; every algorithm and output kind) and sizes its grid, before its first call. Loading
+// a module lazily (CUDA_MODULE_LOADING=LAZY, the default) may synchronise the context; where
+// ranks share a GPU under MPS that context is shared, so a load on one rank while a peer's kernel
+// spins waiting for it stalls both until the timeout. Called by create() for world size > 1.
+void preload(const Comm& c);
+
 void defer(bool enable);
 int64_t flush(bool launch);
 // Whether a queued launch of this thread uses the communicator.
