@@ -18,7 +18,7 @@
 #   (lab/scripts/gpu-session.sh BENCH_TUNE=1 RESUME=1 in /tmp/tune) goes on where the last call on the
 #   same warm machine stopped. The libraries are of the working tree, the snapshot of BASE_REF.
 #   (a6de6df's run: c1 240 s, c2 407 s with all twelve --tune runs, H100; cab67f4's: c3 212 s
-#   with TUNE_DL=1 LADDER=1, c1 234 s, c2 325 s, H200; docs/perf/h100-a6de6df, h200-cab67f4.)
+#   with TUNE_DL=1 LADDER=1, c1 234 s, c2 325 s, H200; lab/perf/h100-a6de6df, h200-cab67f4.)
 # Knobs: DL (the call's deadline in seconds, default 555), TUNE_DL (c3: the tune's share, 330),
 #        NO_TUNE=1 (c2: the tables only),
 #        BASE_REF (pack), AB_TOKENS (c3), ARFUSE_COMMIT (the commit the results name; default git
