@@ -25,7 +25,7 @@ VENV      ?= .venv
 PYTHON    ?= $(VENV)/bin/python
 JOBS      ?= $(shell nproc 2>/dev/null || echo 2)
 ARCH_FLAGS ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
-# Extra nvcc flags, e.g. a kernel experiment's -D knob (scripts/kernel_ab.sh prepare NAME=.+DEFINE)
+# Extra nvcc flags, e.g. a kernel experiment's -D knob (lab/scripts/kernel_ab.sh prepare NAME=.+DEFINE)
 NVCC_EXTRA ?=
 
 LIB       := $(LIBDIR)/libarfuse_ops.so

@@ -117,7 +117,7 @@ func allReduceAlgoNames() string {
 // counts: one CTA per token (no cluster, so no cluster barriers per token and no cluster-shaped
 // limit on co-residency), each thread keeping at least twoShotMinVecs vectors of the row (so that
 // it issues twoShotMinVecs * (K + 1) independent 16-byte loads before its first use), at most
-// twoShotMaxThreads threads. Measured on the H200 (docs/perf/history.md): the clustered two-shot
+// twoShotMaxThreads threads. Measured on the H200 (lab/perf/history.md): the clustered two-shot
 // moved its bytes at 53-60 % of the copy bandwidth at T >= 1024; one CTA per token reached 85 %
 // with 2 vectors per thread (H = 7168) but stayed at 61 % with 1 (H = 4096, 512 threads).
 // twoShotMinVecs is the fewest vectors a two-shot thread keeps, where the row has enough of them
@@ -172,7 +172,7 @@ func planSpecialised(dt *DType, hidden int, algo *Algo) (Plan, error) {
 // resident: at 256 threads (H = 4096) ptxas chose 74 registers, three blocks per SM; asked for
 // four (64 registers), Qwen3-235B moved T = 8192 7-10 % faster at N = 2, 4, 8 (N = 4: 1,286 ->
 // 1,160 us), and was 2-8 % slower at a few mid T with few tokens per owner (N = 2 T = 256,
-// N = 8 T = 16-64) (kernel_ab on the H200 at 187a843, docs/perf/history.md). At 192 threads
+// N = 8 T = 16-64) (kernel_ab on the H200 at 187a843, lab/perf/history.md). At 192 threads
 // (H = 2880) five blocks (64 registers, 36-140 bytes spilled) moved gpt-oss-120b T = 8192 3-8 %
 // faster than ptxas's four (H200 kernel22, H100 50fc694) and cost up to 10 % at T = 128-512:
 // the token splits of variants/tuning.yaml serve the unbound twin there. 128 threads (H = 2048)
@@ -184,7 +184,7 @@ var twoShotMinBlocks = map[int]int{256: 4, 192: 5}
 // (__launch_bounds__(threads, 2): at most 65536 / (2 * threads) registers, 72 at 448 threads).
 // Without it ptxas gave the 448-thread two-shot FP8 instances of H = 7168 96 registers, which
 // leaves room for one block per SM (43,008 of 65,536 registers) where their grid is sized for
-// two (docs/perf/history.md). Blocks of 256 threads or fewer fit two per SM at up to 128
+// two (lab/perf/history.md). Blocks of 256 threads or fewer fit two per SM at up to 128
 // registers, so they need no bound.
 const minBlocksAbove = 256
 
@@ -493,10 +493,10 @@ func splitPlan(r Split) (Plan, error) {
 //     choice). A bound that buys occupancy with spills pays where T is large enough to fill the
 //     GPU and costs where it is not: the 256-thread two-shot plan at H = 4096 (twoShotMinBlocks)
 //     is 7-10 % faster at T >= 1024 with it and up to 8 % slower at mid T (kernel-ab-187a843,
-//     docs/perf/history.md).
+//     lab/perf/history.md).
 //   - buffered_splits: the two-shot whose owner sends its own tokens through its own buffer
 //     (Variant.Buffered). Keeping them in registers (3f9a5cd) moved T >= 256 5-23 % faster and
-//     T = 16-64 at world sizes 4 and 8 up to 25 % slower (docs/perf/h100-3f9a5cd), until the
+//     T = 16-64 at world sizes 4 and 8 up to 25 % slower (lab/perf/h100-3f9a5cd), until the
 //     unbound instances finalized their own tokens before their polls (kOwnFirst, a6de6df's A/B):
 //     the rows are left for the bound ones (7168). Where the
 //     instance also has an unbound twin, the buffered one is unbound too (that range ran unbound);

@@ -5,7 +5,7 @@
 # go run ./gen --matrix ci --out build/ci/out; carry ["out", "build/ci/out"] (and ".whl" with the
 # FlashInfer wheels, if any). See docs/multigpu.md.
 #   1. builds the default matrix (arfuse/_lib, from out/) and the CI matrix (build/ci/lib, from
-#      build/ci/out) side by side: make lib SKIP_GEN=1 ..., as scripts/gpu-session.sh does;
+#      build/ci/out) side by side: make lib SKIP_GEN=1 ..., as lab/scripts/gpu-session.sh does;
 #   2. installs carried wheels (.whl/*.whl: flashinfer-python and what it lacks) into /tmp/site;
 #   3. check: torchrun --nproc-per-node N -m arfuse.check for each N, against the default
 #      build, then the CI build (its fp32 and FP8-static instances);

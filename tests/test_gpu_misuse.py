@@ -1,6 +1,7 @@
 """Bad input and misuse on the GPU (issue 14): refused before anything is launched or written,
-nothing touches freed memory (scripts/gpu-misuse.sh runs this file under compute-sanitizer
-memcheck too), and the group stays usable afterwards. The CPU side is test_misuse_cpu.py."""
+nothing touches freed memory (`MISUSE=1 lab/scripts/gpu-sanitize.sh` runs this file under
+compute-sanitizer memcheck too), and the group stays usable afterwards. The CPU side is
+test_misuse_cpu.py."""
 
 from __future__ import annotations
 

@@ -476,7 +476,7 @@ __device__ __forceinline__ void fused_body(const LaunchParams& p) {
     constexpr bool kOwnFirst = !Cfg::kGeneric && Cfg::kMinBlocks == 0;
     // ... and only where no block has more than one own item (the latency-bound calls): with
     // several per block, finalizing first measured slower (Qwen3-30B N = 2, T = 1024 / 8192:
-    // 1.024 / 1.012x, H100, docs/perf/h100-a6de6df/hoist), the order of 3f9a5cd runs there.
+    // 1.024 / 1.012x, H100, lab/perf/h100-a6de6df/hoist), the order of 3f9a5cd runs there.
     const bool own_first = items.chunks <= geo.num_clusters;
     const int lo = rank * items.chunks;
     for (int w = TwoShotItems::first_at_or_after(lo, geo.cluster_id, geo.num_clusters);

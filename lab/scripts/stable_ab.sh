@@ -2,19 +2,19 @@
 # The stable-ABI port's GPU check, in one call on the GPU machine (no Go there):
 #   1. this tree: the CI-matrix build and the GPU suite (scripts/gpu-check.sh), then
 #      compute-sanitizer memcheck and racecheck; an older tree (OLD) is built beside them;
-#   2. eager per-call host time (scripts/host_overhead.py), old and new alternating, 3 rounds;
+#   2. eager per-call host time (lab/scripts/host_overhead.py), old and new alternating, 3 rounds;
 #   3. graph replay: python -m arfuse.bench of each tree on the same problems, old and new
 #      alternating, each with its own package and library.
 # Prepare here: go run ./gen --matrix ci --out build/ci/out in both trees; OLD is a copy of the
 # older tree (git archive) with its build/ci/out, under .snap/ (ignored), carried with the call:
-#   scripts/stable_ab.sh $OUT .snap/old        carry [".snap/old", "build/ci/out"]
+#   lab/scripts/stable_ab.sh $OUT .snap/old        carry [".snap/old", "build/ci/out"]
 # Knobs: SKIP_CHECK=1 (no suite, no sanitizer), SKIP_BENCH=1 (no graph-replay benchmark).
 # Results under OUTDIR: gpu.txt, build.log, pytest.log, validation.json, sanitizer-*.log (the
 # misuse tests under memcheck too),
 # host.jsonl, ab.tgz (the benchmark CSVs of both trees and their logs).
 set -uo pipefail
-out=${1:?usage: scripts/stable_ab.sh OUTDIR OLDTREE}
-old=$(cd "${2:?usage: scripts/stable_ab.sh OUTDIR OLDTREE}" && pwd)
+out=${1:?usage: lab/scripts/stable_ab.sh OUTDIR OLDTREE}
+old=$(cd "${2:?usage: lab/scripts/stable_ab.sh OUTDIR OLDTREE}" && pwd)
 new=$PWD
 mkdir -p "$out"
 start=$(date +%s)
@@ -28,7 +28,7 @@ old_build=$!
 if [ -z "${SKIP_CHECK:-}" ]; then
   scripts/gpu-check.sh "$out" 2>&1 | tail -n 12
   ARFUSE_LIBRARY=$new/build/ci/lib/libarfuse_ops.so ARFUSE_MANIFEST=$new/build/ci/out/manifest.json \
-    MISUSE=1 scripts/gpu-sanitize.sh "$out" 150
+    MISUSE=1 lab/scripts/gpu-sanitize.sh "$out" 150
   stamp "check done"
 else
   make lib MATRIX=ci GENDIR=build/ci/out BUILD=build/ci/obj LIBDIR=build/ci/lib PYTHON=python3 \
@@ -44,8 +44,8 @@ as_new() { (cd "$new" && ARFUSE_LIBRARY=$new/build/ci/lib/libarfuse_ops.so \
 
 # Pinned to one core each, alternating, so that both see the same machine.
 for round in 1 2 3 4 5; do
-  as_old taskset -c 3 python3 "$new/scripts/host_overhead.py" --label old >>"$out/host.jsonl" 2>>"$out/host.err"
-  as_new taskset -c 3 python3 "$new/scripts/host_overhead.py" --label new >>"$out/host.jsonl" 2>>"$out/host.err"
+  as_old taskset -c 3 python3 "$new/lab/scripts/host_overhead.py" --label old >>"$out/host.jsonl" 2>>"$out/host.err"
+  as_new taskset -c 3 python3 "$new/lab/scripts/host_overhead.py" --label new >>"$out/host.jsonl" 2>>"$out/host.err"
 done
 stamp "host overhead done"
 python3 - "$out/host.jsonl" <<'PY'

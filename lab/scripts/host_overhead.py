@@ -1,6 +1,6 @@
 """Eager per-call host time of arfuse's public op, for comparing two builds in one run.
 
-    python3 scripts/host_overhead.py [--calls N] [--label NAME]
+    python3 lab/scripts/host_overhead.py [--calls N] [--label NAME]
 
 Measures the host (CPU) time of one eager call of arfuse.moe_finalize_allreduce_rmsnorm —
 argument checks in Python and C++, output allocation, launch — as one rank of a real group makes

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Summarise a folder of `python -m arfuse.bench` runs against the targets of issue 4.
 
-    python3 scripts/perf_summary.py BENCH_DIR [--md OUT.md]
+    python3 lab/scripts/perf_summary.py BENCH_DIR [--md OUT.md]
 
 Reads every */bench_*.csv (and its .json) under BENCH_DIR and prints, per run: the per-T table
 of arfuse (auto) / one-shot / two-shot / unfused / PyTorch with ratios, the achieved fraction of

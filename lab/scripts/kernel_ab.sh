@@ -5,14 +5,14 @@
 # four configurations of issue 16's table, the trees alternating, ROUNDS rounds (default 2);
 # then, with LADDER=1, this tree's latency ladder.
 # Prepare here (no Go on the GPU machine), one command:
-#   scripts/kernel_ab.sh prepare NAME=REF|NAME=.+DEFINE ...
+#   lab/scripts/kernel_ab.sh prepare NAME=REF|NAME=.+DEFINE ...
 #     builds this tree's build/ab (out and lib) and, per argument, .snap/NAME (.snap is emptied
 #     first, so that only these trees travel): the tree of git
 #     REF, or (.+DEFINE) a copy of this working tree compiled with -DDEFINE (a kernel knob such
 #     as ARFUSE_TWOSHOT_PIPE_DEPTH=2), each from this tree's variants/ab.yaml (the same
 #     instances in every tree) with its library built (no build on the GPU machine), and prints
 #     the size of what a call carries (at most 64 MiB). Then, on the GPU machine:
-#   AB_PREBUILT=1 scripts/kernel_ab.sh $OUT .snap/base [.snap/s1 ...]   carry [".snap", "build/ab"]
+#   AB_PREBUILT=1 lab/scripts/kernel_ab.sh $OUT .snap/base [.snap/s1 ...]   carry [".snap", "build/ab"]
 # Knobs: AB_TOKENS (default 1,2,4,8,16,64,1024,8192), AB_CONFIGS ("model N;model N;...", default
 # the four above), AB_IMPL (default arfuse, the dispatch's choice; arfuse_oneshot / arfuse_twoshot
 # force one algorithm), ROUNDS, LADDER=1, LADDER_TOKENS,
@@ -24,7 +24,7 @@ set -uo pipefail
 if [ "${1:-}" = prepare ]; then
   set -e
   shift
-  [ $# -ge 1 ] || { echo "usage: scripts/kernel_ab.sh prepare NAME=REF|NAME=.+DEFINE ..."; exit 2; }
+  [ $# -ge 1 ] || { echo "usage: lab/scripts/kernel_ab.sh prepare NAME=REF|NAME=.+DEFINE ..."; exit 2; }
   root=$PWD
   py=${PYTHON:-$root/.venv/bin/python}
   abl() {  # $1: tree, $2: extra nvcc flags; the log in /tmp/kernel_ab-prepare-NAME.log
@@ -67,9 +67,9 @@ if [ "${1:-}" = prepare ]; then
   du -sch .snap build/ab | tail -n 1 | sed 's/total/carried by [".snap", "build\/ab"] (limit 64 MiB)/'
   exit 0
 fi
-out=${1:?usage: scripts/kernel_ab.sh OUTDIR OLDTREE...}
+out=${1:?usage: lab/scripts/kernel_ab.sh OUTDIR OLDTREE...}
 shift
-[ $# -ge 1 ] || { echo "usage: scripts/kernel_ab.sh OUTDIR OLDTREE..."; exit 2; }
+[ $# -ge 1 ] || { echo "usage: lab/scripts/kernel_ab.sh OUTDIR OLDTREE..."; exit 2; }
 new=$PWD
 trees=(); labels=()
 for t in "$@"; do trees+=("$(cd "$t" && pwd)"); labels+=("$(basename "$t")"); done

@@ -6,7 +6,7 @@
 #      docs/performance.md at N = 8, 4, 2, until the deadline.
 # Prepare here (Go is not on the GPU machine): go run ./gen --matrix ci --out build/ci/out and
 # go run ./gen --out out, then run with carry ["build/ci/out", "out"]:
-#   scripts/gpu-session.sh $OUT
+#   lab/scripts/gpu-session.sh $OUT
 # Results under OUTDIR (the device tool returns at most 8 files): gpu.txt, build.log, pytest.log,
 # validation.json, sanitizer-memcheck.log, sanitizer-racecheck.log and bench.tgz (one
 # <kind>-<model>-w<N>/ folder per benchmark run: CSV, markdown, PNG, JSON; its log; build-default.log).
@@ -33,7 +33,7 @@
 #   RESUME=1          keep BENCH_DIR and skip the runs that finished there before (NAME.done): a
 #                     set longer than one call goes on in the next call on the same warm machine
 set -uo pipefail
-out=${1:?usage: scripts/gpu-session.sh OUTDIR}
+out=${1:?usage: lab/scripts/gpu-session.sh OUTDIR}
 mkdir -p "$out"
 start=$(date +%s)
 deadline=${DEADLINE_S:-540}
@@ -55,7 +55,7 @@ if [ -z "${SKIP_CHECK:-}" ]; then
   scripts/gpu-check.sh "$out" 2>&1 | tail -n 15
   if [ "${SANITIZE:-1}" != 0 ]; then
     ARFUSE_LIBRARY=$PWD/build/ci/lib/libarfuse_ops.so ARFUSE_MANIFEST=$PWD/build/ci/out/manifest.json \
-      scripts/gpu-sanitize.sh "$out" 120
+      lab/scripts/gpu-sanitize.sh "$out" 120
   fi
   echo "check done at $(( $(date +%s) - start )) s"
 fi

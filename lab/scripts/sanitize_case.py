@@ -5,7 +5,7 @@ world size 1 (the local algorithm: arfuse.local_communicator) at a clustered spe
 a generic one and with the dynamic FP8 outputs; a token split's twin and its sibling; and calls
 launched as programmatic dependents (Communicator.pdl).
 
-    compute-sanitizer --tool memcheck python3 scripts/sanitize_case.py
+    compute-sanitizer --tool memcheck python3 lab/scripts/sanitize_case.py
 """
 
 import os
@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from fused_cases import Case, check_case, check_dynamic_case, run_case  # noqa: E402
 
