@@ -65,7 +65,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     q, k, v = (t.float().transpose(0, 1) for t in (q, k, v))
     s = (q @ k.transpose(1, 2)) * scale
     t = s.shape[-1]
-    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return (torch.softmax(s, dim=-1) @ v).transpose(0, 1).reshape(t, -1)
 
 
@@ -393,6 +393,18 @@ def cpu_moe_kernels() -> None:
 
 
 @contextlib.contextmanager
+def attention_stubs() -> Iterator[None]:
+    """While vLLM builds a model: the attention stand-ins in place of vLLM's attention layers."""
+    with contextlib.ExitStack() as stack:
+        for name in ("qwen3_moe", "deepseek_v2", "mixtral", "gpt_oss"):
+            module = importlib.import_module(f"vllm.model_executor.models.{name}")
+            stack.enter_context(mock.patch.object(module, "Attention", StubAttention))
+        mla = importlib.import_module("vllm.model_executor.layers.mla")
+        stack.enter_context(mock.patch.object(mla, "MLAAttention", StubMLAAttention))
+        yield
+
+
+@contextlib.contextmanager
 def cpu_build() -> Iterator[None]:
     """While vLLM builds a model: the attention stand-ins in place of vLLM's attention layers,
     and vLLM's CPU MoE backend (UnquantizedMoeBackend.CPU) for the unquantized experts, which the
@@ -413,11 +425,7 @@ def cpu_build() -> Iterator[None]:
         experts_cls = None  # the monolithic CPU backend (vLLM 0.26)
 
     with contextlib.ExitStack() as stack:
-        for name in ("qwen3_moe", "deepseek_v2", "mixtral", "gpt_oss"):
-            module = importlib.import_module(f"vllm.model_executor.models.{name}")
-            stack.enter_context(mock.patch.object(module, "Attention", StubAttention))
-        mla = importlib.import_module("vllm.model_executor.layers.mla")
-        stack.enter_context(mock.patch.object(mla, "MLAAttention", StubMLAAttention))
+        stack.enter_context(attention_stubs())
         choice = (UnquantizedMoeBackend.CPU, experts_cls)
         stack.enter_context(mock.patch.object(
             um, "select_unquantized_moe_backend", lambda moe_config: choice

@@ -243,11 +243,12 @@ def vllm_config(
     *,
     passes: dict[str, Any] | None = None,
     max_num_batched_tokens: int | None = None,
+    device: str = "cpu",
     **compilation: Any,
 ) -> Any:
-    """vLLM's config for `spec` on the CPU; `passes` sets PassConfig fields, `compilation`
-    CompilationConfig fields, `max_num_batched_tokens` the scheduler's (and so the end of vLLM's
-    compile range)."""
+    """vLLM's config for `spec` on the CPU (or `device`); `passes` sets PassConfig fields,
+    `compilation` CompilationConfig fields, `max_num_batched_tokens` the scheduler's (and so the
+    end of vLLM's compile range)."""
     from vllm.config import (
         CompilationConfig,
         DeviceConfig,
@@ -273,7 +274,7 @@ def vllm_config(
     return VllmConfig(
         model_config=model_config,
         **extra,
-        device_config=DeviceConfig(device="cpu"),
+        device_config=DeviceConfig(device=device),
         compilation_config=CompilationConfig(
             pass_config=PassConfig(eliminate_noops=True, **(passes or {})), **compilation
         ),
