@@ -175,12 +175,3 @@ def get_communicator(vllm_config: Any, *, create: bool = True) -> Any | None:
 
             watch.watch(comm)  # a broken call stops this process instead of serving NaN
         return comm
-
-
-def close_communicators() -> None:
-    """Closes every communicator this module created (tests; process teardown). Collective, as
-    Communicator.close() is: every rank of the group calls it."""
-    with _lock:
-        for comm in _communicators.values():
-            comm.close()
-        _communicators.clear()

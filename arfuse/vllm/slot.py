@@ -13,11 +13,12 @@ lowering), so vLLM's fusions that consume the chain must be off (above; docs/vll
 
 The slot object knows no VllmConfig (vLLM resolves it while building the CompilationConfig). It
 takes vLLM's current config when one is set, else the config of this process's last
-Worker.load_model, and builds the arfuse pass (arfuse.vllm.plugin.build_pass) on first use
+Worker.load_model, and builds the arfuse pass (arfuse.vllm.passes.build_pass) on first use
 (uuid, range check or call, whichever comes first; all ranks compile in the same order, and
 creating the communicator is collective). Importing this module installs the plugin's
-Worker.load_model hook (only that one): the communicator then exists before a graph from vLLM's
-compile cache runs. vLLM pickles the CompilationConfig to its workers: the singleton pickles by
+Worker.load_model hook body without the rows switch (load.after_load_model_slot; only that
+hook): the communicator then exists before a graph from vLLM's compile cache runs, and the MoE
+layers keep vLLM's finalize (docs/vllm.md). vLLM pickles the CompilationConfig to its workers: the singleton pickles by
 reference, so unpickling it imports this module there.
 
 With ARFUSE_VLLM=1 as well, the plugin's configure hook already puts the pass earlier in the
@@ -35,6 +36,8 @@ from vllm.compilation.passes.inductor_pass import InductorPass
 
 from . import communicators as _comms
 from . import guard as _guard
+from . import load as _load
+from . import passes as _passes
 from . import plugin as _plugin
 
 logger = logging.getLogger("vllm.arfuse")
@@ -60,7 +63,7 @@ class ArfuseSlotPass(InductorPass):  # type: ignore[misc]
         config = get_current_vllm_config_or_none()
         if config is not None and config.model_config is not None:
             return config
-        return _plugin.worker_config()
+        return _load.worker_config()
 
     def inner(self) -> Any | None:
         """The arfuse pass for the config in force (built on first use), or None."""
@@ -81,7 +84,7 @@ class ArfuseSlotPass(InductorPass):  # type: ignore[misc]
             with self._lock:
                 entry = self._built.get(id(config))
                 if entry is None or entry[0] is not config:
-                    entry = (config, _plugin.build_pass(config))
+                    entry = (config, _passes.build_pass(config))
                     self._built[id(config)] = entry
             return entry[1]
         except Exception as e:  # noqa: BLE001
@@ -121,12 +124,12 @@ post_grad_pass = ArfuseSlotPass()
 
 
 def _install_worker_hook() -> None:
-    worker = _plugin._target("hook.worker")
+    worker = _plugin.hook_target("hook.worker")
     if isinstance(worker, str):
         # Without it a graph from vLLM's compile cache could run before the communicator exists.
         _guard.disable(f"{worker}; the slot pass stays off")
     else:
-        _guard.after_hook(*worker, _plugin._after_load_model, "Worker.load_model hook")
+        _guard.after_hook(*worker, _load.after_load_model_slot, "Worker.load_model hook")
 
 
 try:

@@ -34,7 +34,7 @@ What differs from a GPU deployment, and why:
 * The weights are random with wide routing margins (init_weights), so that both graphs route
   every token alike in bfloat16 and every output element can be compared.
 * The arfuse pass is built and put into vLLM's pass list by the plugin's configure hook body
-  (plugin.configure_pass_manager, run right after vLLM's PostGradPassManager.configure:
+  (arfuse.vllm.passes.configure_pass_manager, run right after vLLM's PostGradPassManager.configure:
   vllm_harness.pass_added_by_plugin), with arfuse's world-size-1 CPU communicator
   (arfuse.comm.cpu_communicator) in place of the TP group's (vllm_harness.redirect_plugin_to).
 """

@@ -29,7 +29,7 @@ from vllm.compilation.caching import aot_compile_hash_factors  # noqa: E402
 from vllm.compilation.passes.pass_manager import PostGradPassManager  # noqa: E402
 from vllm.config import set_current_vllm_config  # noqa: E402
 
-from arfuse.vllm import communicators, fusion, guard, plugin  # noqa: E402
+from arfuse.vllm import cache_key, communicators, fusion, guard, plugin  # noqa: E402
 
 
 class Lines(logging.Handler):
@@ -71,7 +71,7 @@ def main() -> None:
     config = H.vllm_config(root, H.QWEN3_MOE, torch.bfloat16)
     H.ensure_distributed(config)
     if scenario == "cache-key-raises":
-        plugin._after_compute_hash = plugin._after_compile_factors = boom
+        cache_key.after_compute_hash = cache_key.after_compile_factors = boom
     plugin.register()
     assert plugin.is_registered(), log.lines
     hooked = PostGradPassManager.configure

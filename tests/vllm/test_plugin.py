@@ -267,7 +267,7 @@ def test_pass_goes_before_vllms_own_allreduce_and_norm_fusions():
     here: they need vLLM's CUDA kernels, which need a GPU driver; the plugin matches names.)"""
     from types import SimpleNamespace
 
-    from arfuse.vllm.plugin import add_pass
+    from arfuse.vllm.passes import add_pass
 
     def passes(*names):
         return [type(n, (), {})() for n in names]

@@ -10,7 +10,7 @@ vLLM's own parallel layers, then:
    compilation while do_not_compile is set), for several token counts.
 2. arfuse as a vLLM user gets it: the plugin registered by vLLM's own plugin loader
    (vllm.plugins.load_general_plugins, ARFUSE_VLLM=1, the installed wheel's entry point), the
-   plugin's Worker.load_model hook body (plugin._after_load_model: the communicator over the TP
+   plugin's Worker.load_model hook body (arfuse.vllm.load.after_load_model: the communicator over the TP
    group, the MoE layers' rows switch, the ranks' agreement, the watch), then the model compiled
    through its @support_torch_compile path (VllmBackend, Inductor, vLLM's PostGradPassManager
    with the arfuse pass added by the plugin's configure hook) and run on the same inputs; one
@@ -215,7 +215,7 @@ def main() -> int:
         import vllm.plugins
 
         vllm.plugins.load_general_plugins()  # the arfuse entry point, as vLLM loads it
-        from arfuse.vllm import guard, plugin
+        from arfuse.vllm import guard, load
 
         assert guard.active(), f"the plugin did not load: {guard.disabled_reason()}"
         root = Path(tempfile.mkdtemp(prefix=f"arfuse-tp{rank}-"))
@@ -236,7 +236,7 @@ def main() -> int:
             res["dry_run_cpu"] = {t: float(r.float().abs().max()) for t, r in ref.items()}
             raise DryRunDone
         # 2. the plugin's load_model hook body, then the compiled model
-        plugin._after_load_model(Worker(config), None, (), {})
+        load.after_load_model(Worker(config), None, (), {})
         assert guard.active(), f"arfuse switched off: {guard.disabled_reason()}"
         from arfuse.vllm import communicators
 

@@ -754,7 +754,7 @@ def pass_added_by_plugin(fusion_pass: Any = None, *, append: bool = False) -> It
     """While active, every PostGradPassManager vLLM configures gets the arfuse pass right after
     vLLM's own configure, where the plugin's hook (arfuse.vllm.plugin, hook.configure) adds it:
 
-    * fusion_pass None: the plugin's hook body itself, plugin.configure_pass_manager (build_pass:
+    * fusion_pass None: the plugin's hook body itself, passes.configure_pass_manager (build_pass:
       ArfuseAllReduceFusionPass(config) in a GuardedPass, then add_pass). It asks
       communicators.get_communicator for the communicator; tests redirect that to a CPU one
       (redirect_plugin_to);
@@ -765,7 +765,7 @@ def pass_added_by_plugin(fusion_pass: Any = None, *, append: bool = False) -> It
     Around the arfuse pass, test instrumentation copies the graph before and after it."""
     from vllm.compilation.passes.pass_manager import PostGradPassManager
 
-    from arfuse.vllm import plugin
+    from arfuse.vllm import passes
 
     record = PassRecord()
     original = PostGradPassManager.configure
@@ -773,14 +773,14 @@ def pass_added_by_plugin(fusion_pass: Any = None, *, append: bool = False) -> It
     def configure(self: Any, config: Any) -> None:
         original(self, config)
         if fusion_pass is None:
-            added = plugin.configure_pass_manager(self, config)
+            added = passes.configure_pass_manager(self, config)
             assert added is not None, "the plugin added no arfuse pass"
         else:
             added = fusion_pass
             if append:
                 self.add(fusion_pass)
             else:
-                plugin.add_pass(self, fusion_pass)
+                passes.add_pass(self, fusion_pass)
         record.instrument(self, added)
 
     with mock.patch.object(PostGradPassManager, "configure", configure):
