@@ -279,6 +279,24 @@ func TestVocabRejects(t *testing.T) {
 	}
 }
 
+// The hand-written kernel code reads the limits by name (csrc/arfuse/kernel.cuh, device.cuh).
+func TestKernelReadsTheLimits(t *testing.T) {
+	for file, uses := range map[string][]string{
+		"csrc/arfuse/kernel.cuh": {"kBlockThreads = kGeneric ? kGenericMaxThreads :", "kWarpsPerToken = kGeneric ? kGenericMaxThreads / 32 :",
+			"kVpt <= kMaxVecsPerThread", "is_cluster_size(kCluster)", "kWorld <= kMaxWorld"},
+		"csrc/arfuse/device.cuh": {"kVec = kVectorBytes / static_cast<int>(sizeof(__nv_bfloat16))",
+			"kVec = kVectorBytes / static_cast<int>(sizeof(__half))", "kVec = kVectorBytes / static_cast<int>(sizeof(float))"},
+		"csrc/arfuse/params.h": {`#include "arfuse/vocab.h"`},
+	} {
+		src := readRepoFile(t, file)
+		for _, u := range uses {
+			if !bytes.Contains(src, []byte(u)) {
+				t.Errorf("%s: no %q", file, u)
+			}
+		}
+	}
+}
+
 // Every op is registered for a known dispatch key with a function csrc/arfuse/ops.h declares.
 func TestOps(t *testing.T) {
 	opsH := readRepoFile(t, "csrc/arfuse/ops.h")
