@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"io/fs"
 	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"slices"
@@ -276,6 +278,64 @@ func TestVocabRejects(t *testing.T) {
 	if err != nil || e.Namespace != "arfuse::host" || e.Type != "E" || !slices.Equal(e.DocLines, []string{"one", "two"}) ||
 		!reflect.DeepEqual(e.Values, []EnumValue{{"kA", "a", 0}, {"kB", "b", 1}}) {
 		t.Errorf("newEnum: %+v, %v", e, err)
+	}
+}
+
+// The vocabulary is spelled once: the generated files hold it, and no hand-written file of csrc/
+// or arfuse/ defines an enum, a limit or the API version of its own (or a dtype's vector width
+// or size by hand).
+func TestNoHandCopies(t *testing.T) {
+	var limitNames []string
+	for _, l := range limits {
+		limitNames = append(limitNames, l.C)
+	}
+	copies := []struct {
+		dir  string
+		ext  []string
+		re   *regexp.Regexp
+		what string
+	}{
+		{"csrc", []string{".h", ".cuh", ".cpp", ".cu"}, regexp.MustCompile(`enum class (DType|Algo|OutKind|Scales)\s*[:{]`), "a vocabulary enum"},
+		{"csrc", []string{".h", ".cuh", ".cpp", ".cu"}, regexp.MustCompile(`#define ARFUSE_DEVICE_API_VERSION`), "the API version"},
+		{"csrc", []string{".h", ".cuh", ".cpp", ".cu"}, regexp.MustCompile(`constexpr int (` + strings.Join(limitNames, "|") + `) =`), "a kernel limit"},
+		{"csrc", []string{".h", ".cuh", ".cpp", ".cu"}, regexp.MustCompile(`DType::kFP32 \? [0-9]`), "a dtype's size or vector width"},
+		{"arfuse", []string{".py"}, regexp.MustCompile(`(?m)^API_VERSION = \d`), "the API version"},
+		{"arfuse", []string{".py"}, regexp.MustCompile(`"(generic_max_threads|max_vecs_per_thread)": \d`), "a kernel limit"},
+	}
+	generated := map[string]bool{}
+	for _, f := range vocabFiles {
+		generated[f.Path] = true
+	}
+	found := map[string]int{}
+	for _, c := range copies {
+		err := filepath.WalkDir(filepath.Join("..", c.dir), func(p string, e fs.DirEntry, err error) error {
+			if err != nil || e.IsDir() || !slices.Contains(c.ext, filepath.Ext(p)) {
+				return err
+			}
+			rel, _ := filepath.Rel("..", p)
+			rel = filepath.ToSlash(rel)
+			data, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			if c.re.Match(data) {
+				if generated[rel] {
+					found[c.what]++
+				} else {
+					t.Errorf("%s: %s of its own (%q); the vocabulary is csrc/arfuse/vocab.h and arfuse/_vocab_tables.py, generated from gen/tables.go", rel, c.what, c.re.Find(data))
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The patterns do find what the generated files hold (the walk and the regexps work).
+	for _, what := range []string{"a vocabulary enum", "the API version", "a kernel limit"} {
+		if found[what] == 0 {
+			t.Errorf("no generated file holds %s: the search does not see them", what)
+		}
 	}
 }
 
