@@ -150,6 +150,7 @@ func generate(o options, stdout, stderr io.Writer) error {
 		}
 		return nil
 	}
+	// The vocabulary (vocab.go): the tables alone, whatever the matrix.
 	vocab, err := newVocab()
 	if err != nil {
 		return err
