@@ -11,7 +11,10 @@
 #   make MATRIX=ci|default|full      choose the matrix for `make`
 #
 # Data flow: variants/*.yaml -> build/bin/gen -> out/ (kernels/*.cu, dispatch, registration,
-# manifest, sources.mk) -> nvcc / g++ -> libarfuse_ops.so -> wheel.
+# manifest, sources.mk) -> nvcc / g++ -> libarfuse_ops.so -> wheel. gen/tables.go -> build/bin/gen
+# -> csrc/arfuse/vocab.h and arfuse/_vocab_tables.py (checked in, so that SKIP_GEN=1 builds
+# without Go; every generator run rewrites them when the tables changed, make check-generated
+# fails while they are stale).
 # On the GPU machine (no Go, no network): make lib SKIP_GEN=1 PYTHON=python3 NVCC=nvcc
 
 MATRIX    ?= default
@@ -43,7 +46,7 @@ TORCH_TARGET := 0x020b000000000000
 all: wheel
 
 help:
-	@sed -n '3,17p' Makefile
+	@sed -n '3,18p' Makefile
 
 # ---- environment -------------------------------------------------------------------------------
 env:
@@ -189,11 +192,14 @@ ifeq ($(SKIP_GEN),0)
 	$(GO) test ./...
 endif
 
-# The committed templates and matrices must generate exactly what a fresh run generates.
+# The committed templates and matrices must generate exactly what a fresh run generates, and the
+# checked-in vocabulary (csrc/arfuse/vocab.h, arfuse/_vocab_tables.py) must be what gen/tables.go
+# says: the first run leaves it alone (--root ""), the --check run compares it (--root ., the
+# default) along with build/check.
 check-generated:
 ifeq ($(SKIP_GEN),0)
 	@$(MAKE) --no-print-directory gen
-	@rm -rf build/check && $(GEN_BIN) --matrix ci --out build/check >/dev/null && $(GEN_BIN) --matrix ci --out build/check --check
+	@rm -rf build/check && $(GEN_BIN) --matrix ci --out build/check --root "" >/dev/null && $(GEN_BIN) --matrix ci --out build/check --check
 endif
 
 # The CI-matrix library and its wheel (build/ci/dist), made as `make` makes the release wheel.

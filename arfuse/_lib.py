@@ -18,10 +18,12 @@ import os
 import re
 import threading
 
+# The device API version (ARFUSE_DEVICE_API_VERSION, csrc/arfuse/vocab.h; both generated from
+# gen/tables.go) this Python code speaks; a library whose manifest says otherwise is stale
+# (rebuild with make).
+from ._vocab_tables import API_VERSION
+
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
-# The device API version (ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h) this Python code
-# speaks; a library whose manifest says otherwise is stale (rebuild with make).
-API_VERSION = 13
 _lock = threading.Lock()
 _loaded: str | None = None
 _error: str | None = None

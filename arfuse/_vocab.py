@@ -1,49 +1,21 @@
 """The vocabulary arfuse shares with its generator and its C++ code: the activation dtypes, the
 all-reduce algorithms, the output kinds and the kernel limits.
 
-The Go tables own it (gen/tables.go). This module is its one Python copy: `go test ./gen`
-(TestPythonVocabulary in gen/tables_test.go) reads _TABLES below and compares it with the tables,
-as it compares csrc/arfuse/params.h. Every other module of the package spells dtypes, algorithms
-and output kinds through the names defined here.
+The Go tables own it (gen/tables.go). The generator prints them into arfuse/_vocab_tables.py
+(TABLES, checked in; gen --check fails while it is not what the tables say), as it prints them into
+csrc/arfuse/vocab.h for the C++; this module builds the package's names from those rows. Every other
+module of the package spells dtypes, algorithms and output kinds through the names defined here.
 
-Each list is in the order of its C++ enum (csrc/arfuse/params.h): an entry's position is the
+Each list is in the order of its C++ enum (csrc/arfuse/vocab.h): an entry's position is the
 integer the torch ops take and return for it (`comm_info()[3]` is a dtype's position, the ops'
 `algorithm` argument an algorithm's, `instance_for`'s `out_kind` an output kind's).
 """
 
 from __future__ import annotations
 
-import json
-
 import torch
 
-# JSON (not Python literals) so that the Go test reads it exactly as Python does.
-_TABLES = json.loads("""
-{
-  "dtypes": [
-    {"name": "bf16", "torch": "bfloat16", "bytes": 2},
-    {"name": "fp16", "torch": "float16", "bytes": 2},
-    {"name": "fp32", "torch": "float32", "bytes": 4}
-  ],
-  "algorithms": ["auto", "oneshot", "twoshot", "local"],
-  "local_algorithms": ["local"],
-  "outputs": [
-    {"name": "norm", "torch": "", "scales": "none", "group": 0, "bounded": false, "layouts": false},
-    {"name": "fp8_static", "torch": "float8_e4m3fn", "scales": "input", "group": 0, "bounded": false, "layouts": false},
-    {"name": "fp8_token", "torch": "float8_e4m3fn", "scales": "token", "group": 0, "bounded": true, "layouts": false},
-    {"name": "fp8_group128", "torch": "float8_e4m3fn", "scales": "group", "group": 128, "bounded": false, "layouts": true}
-  ],
-  "limits": {
-    "vector_bytes": 16,
-    "max_hidden": 65536,
-    "generic_max_threads": 512,
-    "max_vecs_per_thread": 8,
-    "max_world": 16,
-    "max_top_k": 64,
-    "quant_group": 128
-  }
-}
-""")
+from ._vocab_tables import TABLES as _TABLES
 
 # Dtypes: short name (YAML, variant names, the benchmark's --dtype) -> torch dtype.
 DTYPE_NAMES: tuple[str, ...] = tuple(d["name"] for d in _TABLES["dtypes"])
@@ -99,7 +71,7 @@ def kinds_with(trait: str) -> tuple[str, ...]:
     return tuple(o["name"] for o in _TABLES["outputs"] if o[trait])
 
 
-# Kernel limits (csrc/arfuse/params.h, kernel.cuh; the generator's plan).
+# Kernel limits (csrc/arfuse/vocab.h, asserted by kernel.cuh; the generator's plan).
 LIMITS: dict[str, int] = dict(_TABLES["limits"])
 MAX_WORLD: int = LIMITS["max_world"]    # largest group a communicator serves
 MAX_TOP_K: int = LIMITS["max_top_k"]    # most experts per token the op accepts

@@ -7,33 +7,18 @@
 
 namespace arfuse {
 
-int vector_elems(DType dtype) { return dtype == DType::kFP32 ? 4 : 8; }
+int vector_elems(DType dtype) { return dtype_vec(dtype); }
 
-const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kBF16:
-      return "bf16";
-    case DType::kFP16:
-      return "fp16";
-    case DType::kFP32:
-      return "fp32";
-  }
-  return "?";
+// The vocabulary's names (csrc/arfuse/vocab.h) of a value, or "?" for a value outside the enum.
+template <typename E, size_t N>
+static const char* name_of(E value, const char* const (&names)[N]) {
+  const auto i = static_cast<int64_t>(value);
+  return i >= 0 && i < static_cast<int64_t>(N) ? names[i] : "?";
 }
 
-const char* algo_name(Algo algo) {
-  switch (algo) {
-    case Algo::kAuto:
-      return "auto";
-    case Algo::kOneShot:
-      return "oneshot";
-    case Algo::kTwoShot:
-      return "twoshot";
-    case Algo::kLocal:
-      return "local";
-  }
-  return "?";
-}
+const char* dtype_name(DType dtype) { return name_of(dtype, kDTypeNames); }
+
+const char* algo_name(Algo algo) { return name_of(algo, kAlgoNames); }
 
 const char* out_name(OutKind out) {
   const host::OutKindTraits* t = host::find_out_kind(static_cast<int64_t>(out));
@@ -111,7 +96,7 @@ const Instance* find_instance(DType dtype, int hidden, int world_size, Algo algo
 // two-shot early at 10 of today's 12; the earlier 2 MiB took one-shot up to T = 18 at 7168 N = 8,
 // 41 % slower than two-shot at T = 16 in fp16 at 1082a62.) docs/performance.md.
 int default_oneshot_max_tokens(DType dtype, int hidden, int world_size) {
-  const int64_t elem = dtype == DType::kFP32 ? 4 : 2;
+  const int64_t elem = dtype_bytes(dtype);
   const int64_t per_token = static_cast<int64_t>(std::max(world_size, 1)) * hidden * elem;
   const int64_t budget = int64_t{1} << 20;
   return static_cast<int>(std::max<int64_t>(1, budget / std::max<int64_t>(per_token, 1)));

@@ -92,8 +92,7 @@ __global__ void finalize_kernel(const __grid_constant__ LaunchParams p) {
 }  // namespace
 
 cudaError_t fill_sentinel(void* buffer, int64_t elems, DType dtype, cudaStream_t stream) {
-  const int elem_size = dtype == DType::kFP32 ? 4 : 2;
-  const int64_t nvecs = elems * elem_size / 16;
+  const int64_t nvecs = elems * dtype_bytes(dtype) / kVectorBytes;
   const uint32_t word = dtype == DType::kFP32 ? sentinel_word<float>() : sentinel_word<__half>();
   const int64_t want = (nvecs + 255) / 256;
   const int grid = static_cast<int>(want < 4096 ? (want > 0 ? want : 1) : 4096);
@@ -103,7 +102,7 @@ cudaError_t fill_sentinel(void* buffer, int64_t elems, DType dtype, cudaStream_t
 
 cudaError_t launch_finalize(const LaunchParams& p, DType dtype, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
-  const int vec = dtype == DType::kFP32 ? 4 : 8;
+  const int vec = dtype_vec(dtype);
   const int nvec = p.hidden / vec;
   int block = ((nvec + 31) / 32) * 32;
   if (block > 512) block = 512;

@@ -9,18 +9,25 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"testing"
 )
 
 var update = flag.Bool("update", false, "rewrite the expected files under testdata/")
 
-// runGen calls run and returns its exit status, stdout and stderr.
+// runGen calls run and returns its exit status, stdout and stderr. A run that succeeds in writing
+// must have named --root (a temporary directory, or "" for none): the default is the checkout's
+// own checked-in vocabulary, which a test must not rewrite (gen --check and
+// TestVocabFilesAreCurrent hold it).
 func runGen(t *testing.T, args ...string) (int, string, string) {
 	t.Helper()
 	var out, errb bytes.Buffer
 	code := run(args, &out, &errb)
+	if code == 0 && !slices.ContainsFunc(args, func(a string) bool {
+		return a == "--root" || a == "--check" || a == "--list" || a == "--help"
+	}) {
+		t.Errorf("gen %s: wrote without --root (into the checkout's csrc/arfuse/vocab.h, arfuse/_vocab_tables.py)", strings.Join(args, " "))
+	}
 	return code, out.String(), errb.String()
 }
 
@@ -63,7 +70,7 @@ func caseArgs(t *testing.T, dir string) []string {
 		return "testdata/" + name
 	}
 	args := []string{"--matrix", filepath.ToSlash(filepath.Join(dir, "matrix.yaml")),
-		"--models", pick("models.yaml"), "--tuning", pick("tuning.yaml")}
+		"--models", pick("models.yaml"), "--tuning", pick("tuning.yaml"), "--root", ""}
 	if data, err := os.ReadFile(filepath.Join(dir, "args")); err == nil {
 		for _, line := range strings.Split(strings.TrimSpace(string(data)), "\n") {
 			if line = strings.TrimSpace(line); line != "" {
@@ -204,7 +211,7 @@ func TestOnlyAndList(t *testing.T) {
 	}
 	// --only shapes the generated tree.
 	out := t.TempDir()
-	if code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--only", "*_h7168_w8_*"); code != 0 {
+	if code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--root", "", "--only", "*_h7168_w8_*"); code != 0 {
 		t.Fatal(stderr)
 	}
 	var kernels []string
@@ -235,7 +242,7 @@ func TestFlags(t *testing.T) {
 		{[]string{"--nope"}, "gen: unknown flag: --nope (see --help)\n"},
 		{[]string{"extra"}, "gen: unexpected argument \"extra\" (see --help)\n"},
 		{[]string{"--list", "--check"}, "gen: --list and --check cannot be combined\n"},
-		{[]string{"--matrix", "nope"}, "variants/nope.yaml: cannot read: no such file or directory\n"},
+		{[]string{"--matrix", "nope", "--root", ""}, "variants/nope.yaml: cannot read: no such file or directory\n"},
 		{[]string{"--list", "--only", "["}, "--only: \"[\": bad glob: syntax error in pattern\n"},
 		{[]string{"--list", "--only", "arfuse_bf8_*"}, "--only: \"arfuse_bf8_*\": matches no variant of variants/default.yaml\n"},
 	}
@@ -251,7 +258,7 @@ func TestCheck(t *testing.T) {
 	repoRoot(t)
 	out := filepath.Join(t.TempDir(), "out")
 	check := func() (int, string) {
-		code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--check")
+		code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--root", "", "--check")
 		return code, stderr
 	}
 	if code, stderr := check(); code != 1 || !strings.Contains(stderr, filepath.Join(out, "dispatch.cu")+": missing\n") {
@@ -260,7 +267,7 @@ func TestCheck(t *testing.T) {
 	if _, err := os.Stat(out); err == nil {
 		t.Errorf("--check wrote %s", out)
 	}
-	if code, _, stderr := runGen(t, "--matrix", "ci", "--out", out); code != 0 {
+	if code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--root", ""); code != 0 {
 		t.Fatal(stderr)
 	}
 	if code, stderr := check(); code != 0 || stderr != "" {
@@ -291,7 +298,7 @@ func TestCheck(t *testing.T) {
 		t.Errorf("exit %d\n got %s\nwant %s", code, stderr, want)
 	}
 	// Regenerating repairs all three and leaves the foreign file.
-	if code, _, stderr := runGen(t, "--matrix", "ci", "--out", out); code != 0 {
+	if code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--root", ""); code != 0 {
 		t.Fatal(stderr)
 	}
 	if code, stderr := check(); code != 0 {
@@ -302,11 +309,105 @@ func TestCheck(t *testing.T) {
 	}
 }
 
+// --root: the checked-in vocabulary is written there and compared there like --out, but nothing
+// else under it is looked at or removed; a root without their directories, and an --out that holds
+// them, are refused before anything is written.
+func TestCheckRoot(t *testing.T) {
+	repoRoot(t)
+	root, out := t.TempDir(), filepath.Join(t.TempDir(), "out")
+	for _, d := range []string{"csrc/arfuse", "arfuse"} {
+		if err := os.MkdirAll(filepath.Join(root, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	header, module := filepath.Join(root, "csrc", "arfuse", "vocab.h"), filepath.Join(root, "arfuse", "_vocab_tables.py")
+	if code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--root", ""); code != 0 {
+		t.Fatal(stderr)
+	}
+	check := func() (int, string) {
+		code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--root", root, "--check")
+		return code, stderr
+	}
+	want := module + ": missing\n" + header + ": missing\n" +
+		"gen: the checked-in vocabulary under " + root + " is not what go run ./gen would write (2 files); rerun it\n"
+	if code, stderr := check(); code != 1 || stderr != want {
+		t.Errorf("empty root: exit %d\n got %s\nwant %s", code, stderr, want)
+	}
+	// A stale generated file and a foreign file under the root stay: it is not swept.
+	stale := filepath.Join(root, "csrc", "arfuse", "old.h")
+	foreign := filepath.Join(root, "arfuse", "mine.py")
+	for _, p := range []string{stale, foreign} {
+		if err := os.WriteFile(p, []byte("# Code generated by go run ./gen from x. DO NOT EDIT.\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--root", root); code != 0 {
+		t.Fatal(stderr)
+	}
+	if code, stderr := check(); code != 0 || stderr != "" {
+		t.Errorf("written root: exit %d\n%s", code, stderr)
+	}
+	for _, p := range []string{stale, foreign} {
+		if _, err := os.Stat(p); err != nil {
+			t.Errorf("the root was swept: %v", err)
+		}
+	}
+	// They are what the checkout holds (TestVocabFilesAreCurrent: what the tables say).
+	for rel, p := range map[string]string{"csrc/arfuse/vocab.h": header, "arfuse/_vocab_tables.py": module} {
+		got, _ := os.ReadFile(p)
+		if mine, _ := os.ReadFile(rel); string(got) != string(mine) {
+			t.Errorf("%s differs from the checkout's %s", p, rel)
+		}
+	}
+	// An edit is found, both trees are reported, and the status is 1.
+	if err := os.WriteFile(header, []byte("// edited\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(out, "sources.mk")); err != nil {
+		t.Fatal(err)
+	}
+	want = filepath.Join(out, "sources.mk") + ": missing\n" + header + ": differs\n" +
+		"gen: " + out + " is not what go run ./gen would write (1 files); rerun it\n" +
+		"gen: the checked-in vocabulary under " + root + " is not what go run ./gen would write (1 files); rerun it\n"
+	if code, stderr := check(); code != 1 || stderr != want {
+		t.Errorf("edited: exit %d\n got %s\nwant %s", code, stderr, want)
+	}
+	// --root "" leaves the checked-in files alone: neither written nor compared.
+	if code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--root", ""); code != 0 {
+		t.Fatal(stderr)
+	}
+	if code, _, stderr := runGen(t, "--matrix", "ci", "--out", out, "--root", "", "--check"); code != 0 || stderr != "" {
+		t.Errorf("--root \"\" --check: exit %d\n%s", code, stderr)
+	}
+	if data, _ := os.ReadFile(header); string(data) != "// edited\n" {
+		t.Error("--root \"\" wrote the header")
+	}
+	// Refused: a root that is not the repository root, an --out that holds the checked-in files.
+	elsewhere := t.TempDir()
+	for _, c := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--matrix", "ci", "--out", out, "--root", elsewhere},
+			"--root: \"" + elsewhere + "\": has no directory arfuse/ for arfuse/_vocab_tables.py: not the repository root (--root \"\" leaves the checked-in files alone)\n"},
+		{[]string{"--matrix", "ci", "--out", filepath.Join(root, "csrc"), "--root", root},
+			"--out: \"" + filepath.Join(root, "csrc") + "\": holds the checked-in csrc/arfuse/vocab.h (--out is swept for stale generated files): pick a directory of its own\n"},
+	} {
+		code, stdout, stderr := runGen(t, c.args...)
+		if code != 2 || stdout != "" || stderr != c.want {
+			t.Errorf("%v: exit %d\n got %q\nwant %q", c.args, code, stderr, c.want)
+		}
+	}
+	if entries, _ := os.ReadDir(elsewhere); len(entries) != 0 {
+		t.Errorf("a refused --root got %d entries", len(entries))
+	}
+}
+
 func TestByteIdentical(t *testing.T) {
 	repoRoot(t)
 	a, b := t.TempDir(), t.TempDir()
 	for _, dir := range []string{a, b} {
-		if code, _, stderr := runGen(t, "--matrix", "ci", "--out", dir); code != 0 {
+		if code, _, stderr := runGen(t, "--matrix", "ci", "--out", dir, "--root", ""); code != 0 {
 			t.Fatal(stderr)
 		}
 	}
@@ -325,31 +426,6 @@ func TestByteIdentical(t *testing.T) {
 	// --out does not leak into the files: the same matrix in another directory is the same tree.
 	if len(tb) != len(ta) {
 		t.Errorf("trees differ in size")
-	}
-}
-
-// The Go constant must match the hand-written header the generated files assert on.
-func TestAPIVersionMatchesParamsH(t *testing.T) {
-	data, err := os.ReadFile("../csrc/arfuse/params.h")
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := regexp.MustCompile(`(?m)^\s*#define\s+ARFUSE_DEVICE_API_VERSION\s+(\d+)\s*$`).FindSubmatch(data)
-	if m == nil {
-		t.Fatal("csrc/arfuse/params.h has no #define ARFUSE_DEVICE_API_VERSION")
-	}
-	if v, _ := strconv.Atoi(string(m[1])); v != apiVersion {
-		t.Errorf("csrc/arfuse/params.h has ARFUSE_DEVICE_API_VERSION %d, the generator %d", v, apiVersion)
-	}
-	// The Python package refuses a library whose manifest names another version.
-	py, err := os.ReadFile("../arfuse/_lib.py")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if m := regexp.MustCompile(`(?m)^API_VERSION = (\d+)$`).FindSubmatch(py); m == nil {
-		t.Error("arfuse/_lib.py has no API_VERSION = N")
-	} else if v, _ := strconv.Atoi(string(m[1])); v != apiVersion {
-		t.Errorf("arfuse/_lib.py has API_VERSION %d, the generator %d", v, apiVersion)
 	}
 }
 
@@ -374,7 +450,7 @@ func TestBinaryExitStatus(t *testing.T) {
 	}{
 		{[]string{"--help"}, 0, ""},
 		{[]string{"--list", "--matrix", "ci"}, 0, ""},
-		{[]string{"--matrix", "ci", "--out", out}, 0, ""},
+		{[]string{"--matrix", "ci", "--out", out, "--root", ""}, 0, ""},
 		{[]string{"--matrix", "ci", "--out", out, "--check"}, 0, ""},
 		{[]string{"--matrix", "default", "--out", out, "--check"}, 1, "*"},
 		{[]string{"--matrix", "gen/testdata/bad_dtype/matrix.yaml", "--models", "gen/testdata/models.yaml", "--tuning", "gen/testdata/tuning.yaml", "--out", out}, 2, "gen/" + string(bad)},

@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"path"
 	"slices"
 	"strings"
@@ -54,22 +55,41 @@ func funcMap() template.FuncMap {
 	}
 }
 
-// loadTemplates parses every embedded template once.
+// loadTemplates parses every embedded template once, each named by its path under templates/
+// (cuda/instance.cu.tmpl, vocab/vocab.h.tmpl); {{ define }}d helpers share one name space.
 func loadTemplates() (*template.Template, error) {
 	root := template.New("").Funcs(funcMap()).Option("missingkey=error")
-	return root.ParseFS(templates.FS, "cuda/*.tmpl")
+	for _, pattern := range []string{"cuda/*.tmpl", "vocab/*.tmpl"} {
+		names, err := fs.Glob(templates.FS, pattern)
+		if err != nil {
+			return nil, err
+		}
+		if len(names) == 0 {
+			return nil, fmt.Errorf("no templates %s/%s", templateDir, pattern)
+		}
+		for _, name := range names {
+			src, err := fs.ReadFile(templates.FS, name)
+			if err != nil {
+				return nil, err
+			}
+			if _, err := root.New(name).Parse(string(src)); err != nil {
+				return nil, err
+			}
+		}
+	}
+	return root, nil
 }
 
-// renderOne executes templates/cuda/<name> with data. The template is told its own repo-relative
-// path so that its header can name it.
+// renderOne executes templates/<name> (name: cuda/instance.cu.tmpl) with data. The template is
+// told its own repo-relative path so that its header can name it.
 func renderOne(t *template.Template, name string, data any) ([]byte, error) {
 	var buf bytes.Buffer
 	tmpl := t.Lookup(name)
 	if tmpl == nil {
-		return nil, fmt.Errorf("template %s/cuda/%s not found", templateDir, name)
+		return nil, fmt.Errorf("template %s/%s not found", templateDir, name)
 	}
 	if err := tmpl.Execute(&buf, data); err != nil {
-		return nil, fmt.Errorf("render %s/cuda/%s: %w", templateDir, name, err)
+		return nil, fmt.Errorf("render %s/%s: %w", templateDir, name, err)
 	}
 	return buf.Bytes(), nil
 }
@@ -144,7 +164,7 @@ func render(g *Gen) (Files, error) {
 	}
 	files := Files{}
 	emit := func(out, tmpl string, v *Variant) error {
-		data, err := renderOne(t, tmpl, tmplData{Template: templateDir + "/cuda/" + tmpl, Gen: g, V: v})
+		data, err := renderOne(t, "cuda/"+tmpl, tmplData{Template: templateDir + "/cuda/" + tmpl, Gen: g, V: v})
 		if err != nil {
 			return err
 		}

@@ -5,15 +5,20 @@ import "slices"
 // Spellings live in tables: every name, C++ type and C++ enumerator the generator prints comes
 // from here, so templates never spell a type by hand and the YAML, the file names, the dispatch
 // table and the manifest agree on one vocabulary. The tables own that vocabulary for the whole
-// repository: the dtypes (with their torch names), the algorithms, the output kinds and the kernel
-// limits. Their copies elsewhere are checked against them by go test ./gen (tables_test.go):
-// csrc/arfuse/params.h (enums, kMaxWorld, kMaxTopK, kQuantGroup), the limits written as literals
-// in csrc/arfuse/kernel.cuh and the vector widths in csrc/dispatch.cpp and csrc/kernels.cu, the
-// output kinds' device writers (csrc/arfuse/writers.cuh) and host scale rules
-// (csrc/host/out_kinds.h), and arfuse/_vocab.py, the one Python module that spells them.
+// repository: the dtypes (with their torch names), the algorithms, the output kinds, the scale
+// rules, the kernel limits and the device API version. Besides out/, the generator emits them
+// into two checked-in files (vocab.go; the Python package and the C++ build without Go): the
+// C++ header csrc/arfuse/vocab.h (the enums with their names, the limits, the API version; the
+// hand-written C++ includes it through csrc/arfuse/params.h) and the Python module
+// arfuse/_vocab_tables.py (the rows arfuse/_vocab.py builds its names from). gen --check fails
+// while either is not what these tables say. What stays hand-written against them is checked by
+// go test ./gen (tables_test.go): the output kinds' device writers (csrc/arfuse/writers.cuh).
 
-// apiVersion must equal ARFUSE_DEVICE_API_VERSION in csrc/arfuse/params.h (checked by a test).
-// Every generated C++ file static_asserts on it so that stale output stops compiling.
+// apiVersion is ARFUSE_DEVICE_API_VERSION (csrc/arfuse/vocab.h) and arfuse._lib.API_VERSION
+// (arfuse/_vocab_tables.py). Bump it whenever LaunchParams (csrc/arfuse/params.h), the kernel
+// template's parameters, the launcher signature or the dispatch table's Instance
+// (csrc/arfuse/dispatch.h) change. Every file of out/ static_asserts on it, so stale generated
+// output stops compiling, and the Python package refuses a library whose manifest names another.
 const apiVersion = 13
 
 // ---- kernel limits ----------------------------------------------------------------------------
@@ -48,9 +53,29 @@ const maxTopK = 64
 // quantGroup is the elements per group of the fp8_group128 output: arfuse::kQuantGroup.
 const quantGroup = 128
 
+// Limit is one kernel limit as the other languages spell it.
+type Limit struct {
+	Py    string // its key in arfuse/_vocab.py LIMITS
+	C     string // its constexpr int in namespace arfuse (csrc/arfuse/vocab.h)
+	Value int
+	Doc   string // the C++ comment
+}
+
+// limits are the kernel limits the Python package and the C++ code read, in the order printed.
+var limits = []Limit{
+	{"vector_bytes", "kVectorBytes", vectorBytes, "bytes of one vectorised global-memory access"},
+	{"max_hidden", "kMaxHidden", maxHidden, "largest hidden size of a specialised instance"},
+	{"generic_max_threads", "kGenericMaxThreads", genericMaxThreads, "most threads per token (and per block) of a generic instance"},
+	{"max_vecs_per_thread", "kMaxVecsPerThread", maxVecsPerThread, "most 16-byte vectors of the row one thread holds in registers"},
+	{"max_world", "kMaxWorld", maxWorld, "largest tensor-parallel group a communicator serves"},
+	{"max_top_k", "kMaxTopK", maxTopK, "largest K (experts per token) accepted by the op"},
+	{"quant_group", "kQuantGroup", quantGroup, "elements per group of OutKind::kFP8Group128 (its writer's kGroup)"},
+}
+
 // ---- dtypes, algorithms, output kinds ---------------------------------------------------------
-// Each table's order is the order of its C++ enum in csrc/arfuse/params.h: an entry's position is
-// its enumerator's value, which is also what the torch ops take and return for it.
+// Each table's order is the order of its C++ enum (csrc/arfuse/vocab.h, printed from the table):
+// an entry's position is its enumerator's value, which is also what the torch ops take and return
+// for it.
 
 // DType is one activation dtype.
 type DType struct {
@@ -96,13 +121,13 @@ var algos = []*Algo{
 func allAlgos() []*Algo { return append([]*Algo{algoAuto}, algos...) }
 
 // OutKind is what the kernel writes after the RMSNorm: one row of traits, printed for each
-// language that needs them. Adding a kind is this row, its device writer (csrc/arfuse/writers.cuh),
-// its enumerator (csrc/arfuse/params.h), its arfuse/_vocab.py row and its reference quantizer
-// (arfuse/reference.py); the generated host table (out/out_kinds.cpp) and every loop over it
-// follow (gen/README.md lists the files).
+// language that needs them. Adding a kind is this row, its device writer (csrc/arfuse/writers.cuh)
+// and its reference quantizer (arfuse/reference.py); its enumerator (csrc/arfuse/vocab.h), its
+// Python row (arfuse/_vocab_tables.py), the host table (out/out_kinds.cpp) and every loop over
+// them follow (gen/README.md lists the files).
 type OutKind struct {
 	Name string
-	Enum string // arfuse::OutKind enumerator (csrc/arfuse/params.h)
+	Enum string // arfuse::OutKind enumerator (csrc/arfuse/vocab.h)
 	// Writer is the device writer struct of csrc/arfuse/writers.cuh the kernel instance is built
 	// with (its kKind is Enum): the one place that writes this kind's norm_out and scales.
 	Writer string
@@ -125,7 +150,7 @@ type OutKind struct {
 // writes one per token or per group and picks the kind by group_size).
 type ScaleRule struct {
 	Name string // the arfuse/_vocab.py spelling
-	Enum string // arfuse::host::Scales enumerator (csrc/host/out_kinds.h)
+	Enum string // arfuse::host::Scales enumerator (csrc/arfuse/vocab.h)
 }
 
 var (

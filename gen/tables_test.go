@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"encoding/json"
+	"io/fs"
 	"os"
+	"path/filepath"
 	"reflect"
 	"regexp"
 	"slices"
@@ -12,9 +14,11 @@ import (
 	"testing"
 )
 
-// The tables own the vocabulary; these tests compare every copy of it with them: the C++ enums
-// and limits in csrc/arfuse/params.h, the literals of csrc/arfuse/kernel.cuh, csrc/dispatch.cpp
-// and csrc/kernels.cu, and the Python module arfuse/_vocab.py.
+// The tables own the vocabulary and the generator prints it into two checked-in files
+// (csrc/arfuse/vocab.h, arfuse/_vocab_tables.py). These tests check that those files are current,
+// that what the generator prints is what the tables say (read back the way C++ and Python read
+// it), that no hand-written copy of it comes back, and what stays hand-written against the tables:
+// the output kinds' device writers and the ops' implementation functions.
 
 func readRepoFile(t *testing.T, rel string) []byte {
 	t.Helper()
@@ -25,70 +29,337 @@ func readRepoFile(t *testing.T, rel string) []byte {
 	return data
 }
 
-// cppEnum returns the enumerators of `enum class name : int32_t { ... }` in order, each checked
-// to have the value of its position.
-func cppEnum(t *testing.T, src []byte, name string) []string {
+// renderedVocab renders the vocabulary files as the generator would write them.
+func renderedVocab(t *testing.T) Files {
 	t.Helper()
-	m := regexp.MustCompile(`enum class ` + name + ` : int32_t \{([^}]*)\}`).FindSubmatch(src)
-	if m == nil {
-		t.Fatalf("params.h has no enum class %s", name)
+	v, err := newVocab()
+	if err != nil {
+		t.Fatal(err)
+	}
+	files, err := renderVocab(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return files
+}
+
+// The checked-in files are byte for byte what the generator writes (what gen --check and make
+// check-generated enforce; here so that go test ./gen fails first, naming the file).
+func TestVocabFilesAreCurrent(t *testing.T) {
+	files := renderedVocab(t)
+	if got := sortedPaths(files); !slices.Equal(got, []string{"arfuse/_vocab_tables.py", "csrc/arfuse/vocab.h"}) {
+		t.Errorf("vocabulary files %v", got)
+	}
+	for _, rel := range sortedPaths(files) {
+		data := files[rel]
+		if !bytes.Contains(data[:min(len(data), 512)], []byte(generatedMarker)) {
+			t.Errorf("%s: no generated header", rel)
+		}
+		if !bytes.Equal(readRepoFile(t, rel), data) {
+			t.Errorf("%s is not what the generator writes from gen/tables.go: run make gen && build/bin/gen (or go run ./gen)", rel)
+		}
+	}
+}
+
+// cppEnum returns the enumerators of `enum class name : int32_t { ... }` in order, each checked
+// to have the value of its position, and the namespace the enum is declared in (the last one
+// opened before it: the header does not nest them).
+func cppEnum(t *testing.T, src []byte, name string) (string, []string) {
+	t.Helper()
+	loc := regexp.MustCompile(`enum class ` + name + ` : int32_t \{([^}]*)\}`).FindSubmatchIndex(src)
+	if loc == nil {
+		t.Fatalf("vocab.h has no enum class %s", name)
+	}
+	opened := regexp.MustCompile(`(?m)^namespace (\S+) \{$`).FindAllSubmatch(src[:loc[0]], -1)
+	if opened == nil {
+		t.Fatalf("vocab.h: enum class %s is in no namespace", name)
 	}
 	var names []string
-	for i, e := range strings.Split(string(m[1]), ",") {
+	for i, e := range strings.Split(string(src[loc[2]:loc[3]]), ",") {
 		kv := strings.Split(e, "=")
 		if len(kv) != 2 || strings.TrimSpace(kv[1]) != strconv.Itoa(i) {
-			t.Fatalf("params.h %s: enumerator %q is not `kName = %d`", name, strings.TrimSpace(e), i)
+			t.Fatalf("vocab.h %s: enumerator %q is not `kName = %d`", name, strings.TrimSpace(e), i)
 		}
 		names = append(names, name+"::"+strings.TrimSpace(kv[0]))
 	}
-	return names
+	return string(opened[len(opened)-1][1]), names
 }
 
-func enumsOf[T any](table []T, enum func(T) string) []string {
+// cppArray returns the initializers of `constexpr T name[] = {...};`.
+func cppArray(t *testing.T, src []byte, typ, name string) []string {
+	t.Helper()
+	m := regexp.MustCompile(`constexpr ` + regexp.QuoteMeta(typ) + ` ` + name + `\[\] = \{([^}]*)\};`).FindSubmatch(src)
+	if m == nil {
+		t.Fatalf("vocab.h has no constexpr %s %s[]", typ, name)
+	}
 	var s []string
-	for _, e := range table {
-		s = append(s, strings.TrimPrefix(enum(e), "arfuse::"))
+	for _, e := range strings.Split(string(m[1]), ",") {
+		s = append(s, strings.TrimSpace(e))
 	}
 	return s
 }
 
 // cppConst returns the value of `constexpr int name = N;`.
-func cppConst(t *testing.T, src []byte, file, name string) int {
+func cppConst(t *testing.T, src []byte, name string) int {
 	t.Helper()
 	m := regexp.MustCompile(`constexpr int ` + name + ` = (\d+);`).FindSubmatch(src)
 	if m == nil {
-		t.Fatalf("%s has no constexpr int %s", file, name)
+		t.Fatalf("vocab.h has no constexpr int %s", name)
 	}
 	v, _ := strconv.Atoi(string(m[1]))
 	return v
 }
 
-// The C++ enums are the tables, in order, and nothing else; the spellings the generator prints
-// exist in the hand-written headers the output compiles against.
-func TestTablesMatchHeaders(t *testing.T) {
-	params := readRepoFile(t, "csrc/arfuse/params.h")
-	opsH := readRepoFile(t, "csrc/arfuse/ops.h")
-	if got, want := cppEnum(t, params, "DType"), enumsOf(dtypes, func(d *DType) string { return d.Enum }); !slices.Equal(got, want) {
-		t.Errorf("params.h DType is %v, the dtype table %v", got, want)
-	}
-	if got, want := cppEnum(t, params, "Algo"), enumsOf(allAlgos(), func(a *Algo) string { return a.Enum }); !slices.Equal(got, want) {
-		t.Errorf("params.h Algo is %v, the algorithm table (auto first) %v", got, want)
-	}
-	if got, want := cppEnum(t, params, "OutKind"), enumsOf(outKinds, func(o *OutKind) string { return o.Enum }); !slices.Equal(got, want) {
-		t.Errorf("params.h OutKind is %v, the output kind table %v", got, want)
-	}
-	outKindsH := readRepoFile(t, "csrc/host/out_kinds.h")
-	if got, want := cppEnum(t, outKindsH, "Scales"), enumsOf(scaleRules, func(r *ScaleRule) string { return strings.TrimPrefix(r.Enum, "arfuse::host::") }); !slices.Equal(got, want) {
-		t.Errorf("csrc/host/out_kinds.h Scales is %v, the scale rule table %v", got, want)
-	}
-	for name, want := range map[string]int{"kQuantGroup": quantGroup, "kMaxWorld": maxWorld, "kMaxTopK": maxTopK} {
-		if got := cppConst(t, params, "params.h", name); got != want {
-			t.Errorf("params.h %s = %d, the tables %d", name, got, want)
+// The generated header, read back: each enum is its table in value order in the table's
+// namespace, with the table's names (and the dtypes' sizes); each limit and the API version are
+// the tables' values.
+func TestVocabHeader(t *testing.T) {
+	h := renderedVocab(t)["csrc/arfuse/vocab.h"]
+	quoted := func(names []string) []string {
+		var q []string
+		for _, n := range names {
+			q = append(q, strconv.Quote(n))
 		}
+		return q
+	}
+	check := func(typ string, wantEnums, wantNames []string) {
+		t.Helper()
+		ns, got := cppEnum(t, h, typ)
+		want := slices.Clone(wantEnums)
+		for i, e := range want {
+			want[i] = strings.TrimPrefix(e, ns+"::")
+		}
+		if !slices.Equal(got, want) {
+			t.Errorf("vocab.h %s::%s is %v, the table %v", ns, typ, got, wantEnums)
+		}
+		if got := cppArray(t, h, "const char*", "k"+typ+"Names"); !slices.Equal(got, quoted(wantNames)) {
+			t.Errorf("vocab.h k%sNames is %v, the table %v", typ, got, wantNames)
+		}
+	}
+	enums := func(n int, enum func(int) string) []string {
+		var s []string
+		for i := range n {
+			s = append(s, enum(i))
+		}
+		return s
+	}
+	check("DType", enums(len(dtypes), func(i int) string { return dtypes[i].Enum }), dtypeNames())
+	check("Algo", enums(len(allAlgos()), func(i int) string { return allAlgos()[i].Enum }), namesOf(allAlgos()))
+	check("OutKind", enums(len(outKinds), func(i int) string { return outKinds[i].Enum }), namesOf(outKinds))
+	var scaleNames []string
+	for _, r := range scaleRules {
+		scaleNames = append(scaleNames, r.Name)
+	}
+	check("Scales", enums(len(scaleRules), func(i int) string { return scaleRules[i].Enum }), scaleNames)
+	var sizes []string
+	for _, d := range dtypes {
+		sizes = append(sizes, strconv.Itoa(d.Size))
+	}
+	if got := cppArray(t, h, "int", "kDTypeBytes"); !slices.Equal(got, sizes) {
+		t.Errorf("vocab.h kDTypeBytes is %v, the dtype table %v", got, sizes)
+	}
+	var clusters []string
+	for _, c := range clusterSizes {
+		clusters = append(clusters, strconv.Itoa(c))
+	}
+	if got := cppArray(t, h, "int", "kClusterSizes"); !slices.Equal(got, clusters) {
+		t.Errorf("vocab.h kClusterSizes is %v, the tables %v", got, clusters)
+	}
+	for name, want := range map[string]int{"kVectorBytes": vectorBytes, "kMaxHidden": maxHidden,
+		"kGenericMaxThreads": genericMaxThreads, "kMaxVecsPerThread": maxVecsPerThread,
+		"kQuantGroup": quantGroup, "kMaxWorld": maxWorld, "kMaxTopK": maxTopK} {
+		if got := cppConst(t, h, name); got != want {
+			t.Errorf("vocab.h %s = %d, the tables %d", name, got, want)
+		}
+	}
+	m := regexp.MustCompile(`(?m)^#define ARFUSE_DEVICE_API_VERSION (\d+)$`).FindSubmatch(h)
+	if m == nil || string(m[1]) != strconv.Itoa(apiVersion) {
+		t.Errorf("vocab.h: ARFUSE_DEVICE_API_VERSION is %q, the tables %d", m, apiVersion)
 	}
 	if slices.Max(worldSizes) > maxWorld {
 		t.Errorf("worldSizes %v go beyond maxWorld %d", worldSizes, maxWorld)
 	}
+}
+
+// pyOutput is one output kind row of arfuse/_vocab_tables.py.
+type pyOutput struct {
+	Name    string `json:"name"`
+	Torch   string `json:"torch"`
+	Scales  string `json:"scales"`
+	Group   int    `json:"group"`
+	Bounded bool   `json:"bounded"`
+	Layouts bool   `json:"layouts"`
+}
+
+// pyDType is one dtype row of arfuse/_vocab_tables.py.
+type pyDType struct {
+	Name  string `json:"name"`
+	Torch string `json:"torch"`
+	Bytes int    `json:"bytes"`
+}
+
+// pyVocab is TABLES of arfuse/_vocab_tables.py, the shape arfuse/_vocab.py reads.
+type pyVocab struct {
+	DTypes          []pyDType      `json:"dtypes"`
+	Algorithms      []string       `json:"algorithms"`
+	LocalAlgorithms []string       `json:"local_algorithms"`
+	Outputs         []pyOutput     `json:"outputs"`
+	Limits          map[string]int `json:"limits"`
+}
+
+// pyLiteralAsJSON turns the Python literal the template prints (dicts, lists, strings without
+// escapes, ints, True/False, trailing commas) into JSON, so that the test reads what Python reads.
+func pyLiteralAsJSON(src string) string {
+	src = regexp.MustCompile(`\bTrue\b`).ReplaceAllString(src, "true")
+	src = regexp.MustCompile(`\bFalse\b`).ReplaceAllString(src, "false")
+	return regexp.MustCompile(`,(\s*[\]}])`).ReplaceAllString(src, "$1")
+}
+
+// The generated Python module, read back: TABLES is exactly what the Go tables say, in the shape
+// arfuse/_vocab.py builds its names from, and API_VERSION is the tables' version.
+func TestVocabPython(t *testing.T) {
+	src := string(renderedVocab(t)["arfuse/_vocab_tables.py"])
+	m := regexp.MustCompile(`(?s)\nTABLES = (\{\n.*?\n\})\n`).FindStringSubmatch(src)
+	if m == nil {
+		t.Fatal("arfuse/_vocab_tables.py has no TABLES = {...}")
+	}
+	dec := json.NewDecoder(strings.NewReader(pyLiteralAsJSON(m[1])))
+	dec.DisallowUnknownFields()
+	var got pyVocab
+	if err := dec.Decode(&got); err != nil {
+		t.Fatalf("arfuse/_vocab_tables.py TABLES: %v\n%s", err, m[1])
+	}
+	var want pyVocab
+	for _, d := range dtypes {
+		want.DTypes = append(want.DTypes, pyDType{d.Name, d.Torch, d.Size})
+	}
+	want.Algorithms = namesOf(allAlgos())
+	for _, a := range algos {
+		if a.Local {
+			want.LocalAlgorithms = append(want.LocalAlgorithms, a.Name)
+		}
+	}
+	for _, o := range outKinds {
+		want.Outputs = append(want.Outputs, pyOutput{o.Name, o.Torch, o.Scales.Name, o.Group, o.Bounded, o.Layouts})
+	}
+	// The keys arfuse/_vocab.py and its users read (LIMITS["max_world"], ...).
+	want.Limits = map[string]int{
+		"vector_bytes": vectorBytes, "max_hidden": maxHidden, "generic_max_threads": genericMaxThreads,
+		"max_vecs_per_thread": maxVecsPerThread, "max_world": maxWorld, "max_top_k": maxTopK,
+		"quant_group": quantGroup,
+	}
+	if !reflect.DeepEqual(got, want) {
+		g, _ := json.Marshal(got)
+		w, _ := json.Marshal(want)
+		t.Errorf("arfuse/_vocab_tables.py TABLES is not gen/tables.go:\n got %s\nwant %s", g, w)
+	}
+	if !regexp.MustCompile(`(?m)^API_VERSION = ` + strconv.Itoa(apiVersion) + `$`).MatchString(src) {
+		t.Errorf("arfuse/_vocab_tables.py has no API_VERSION = %d", apiVersion)
+	}
+	if regexp.MustCompile(`(?m)^(import|from) `).MatchString(src) {
+		t.Error("arfuse/_vocab_tables.py imports something: it is plain data, importable without torch")
+	}
+}
+
+// The plan refuses tables the templates could not print: a name that would need escaping, an
+// enum whose rows name different enums.
+func TestVocabRejects(t *testing.T) {
+	if _, err := newEnum("d", []string{"a", "b"}, []string{"arfuse::E::kA", "arfuse::F::kB"}); err == nil ||
+		!strings.Contains(err.Error(), "not in arfuse::E") {
+		t.Errorf("mixed enums: %v", err)
+	}
+	if _, err := newEnum("d", []string{"a\"b"}, []string{"arfuse::E::kA"}); err == nil {
+		t.Error("a name with a quote accepted")
+	}
+	if _, err := newEnum("d", []string{"a"}, []string{"E::kA"}); err == nil {
+		t.Error("an enumerator without a namespace accepted")
+	}
+	e, err := newEnum("one\ntwo", []string{"a", "b"}, []string{"arfuse::host::E::kA", "arfuse::host::E::kB"})
+	if err != nil || e.Namespace != "arfuse::host" || e.Type != "E" || !slices.Equal(e.DocLines, []string{"one", "two"}) ||
+		!reflect.DeepEqual(e.Values, []EnumValue{{"kA", "a", 0}, {"kB", "b", 1}}) {
+		t.Errorf("newEnum: %+v, %v", e, err)
+	}
+}
+
+// The vocabulary is spelled once: the generated files hold it, and no hand-written file of csrc/
+// or arfuse/ defines an enum, a limit or the API version of its own (or a dtype's vector width
+// or size by hand).
+func TestNoHandCopies(t *testing.T) {
+	var limitNames []string
+	for _, l := range limits {
+		limitNames = append(limitNames, l.C)
+	}
+	copies := []struct {
+		dir  string
+		ext  []string
+		re   *regexp.Regexp
+		what string
+	}{
+		{"csrc", []string{".h", ".cuh", ".cpp", ".cu"}, regexp.MustCompile(`enum class (DType|Algo|OutKind|Scales)\s*[:{]`), "a vocabulary enum"},
+		{"csrc", []string{".h", ".cuh", ".cpp", ".cu"}, regexp.MustCompile(`#define ARFUSE_DEVICE_API_VERSION`), "the API version"},
+		{"csrc", []string{".h", ".cuh", ".cpp", ".cu"}, regexp.MustCompile(`constexpr int (` + strings.Join(limitNames, "|") + `) =`), "a kernel limit"},
+		{"csrc", []string{".h", ".cuh", ".cpp", ".cu"}, regexp.MustCompile(`DType::kFP32 \? [0-9]`), "a dtype's size or vector width"},
+		{"arfuse", []string{".py"}, regexp.MustCompile(`(?m)^API_VERSION = \d`), "the API version"},
+		{"arfuse", []string{".py"}, regexp.MustCompile(`"(generic_max_threads|max_vecs_per_thread)": \d`), "a kernel limit"},
+	}
+	generated := map[string]bool{}
+	for _, f := range vocabFiles {
+		generated[f.Path] = true
+	}
+	found := map[string]int{}
+	for _, c := range copies {
+		err := filepath.WalkDir(filepath.Join("..", c.dir), func(p string, e fs.DirEntry, err error) error {
+			if err != nil || e.IsDir() || !slices.Contains(c.ext, filepath.Ext(p)) {
+				return err
+			}
+			rel, _ := filepath.Rel("..", p)
+			rel = filepath.ToSlash(rel)
+			data, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			if c.re.Match(data) {
+				if generated[rel] {
+					found[c.what]++
+				} else {
+					t.Errorf("%s: %s of its own (%q); the vocabulary is csrc/arfuse/vocab.h and arfuse/_vocab_tables.py, generated from gen/tables.go", rel, c.what, c.re.Find(data))
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The patterns do find what the generated files hold (the walk and the regexps work).
+	for _, what := range []string{"a vocabulary enum", "the API version", "a kernel limit"} {
+		if found[what] == 0 {
+			t.Errorf("no generated file holds %s: the search does not see them", what)
+		}
+	}
+}
+
+// The hand-written kernel code reads the limits by name (csrc/arfuse/kernel.cuh, device.cuh).
+func TestKernelReadsTheLimits(t *testing.T) {
+	for file, uses := range map[string][]string{
+		"csrc/arfuse/kernel.cuh": {"kBlockThreads = kGeneric ? kGenericMaxThreads :", "kWarpsPerToken = kGeneric ? kGenericMaxThreads / 32 :",
+			"kVpt <= kMaxVecsPerThread", "is_cluster_size(kCluster)", "kWorld <= kMaxWorld"},
+		"csrc/arfuse/device.cuh": {"kVec = kVectorBytes / static_cast<int>(sizeof(__nv_bfloat16))",
+			"kVec = kVectorBytes / static_cast<int>(sizeof(__half))", "kVec = kVectorBytes / static_cast<int>(sizeof(float))"},
+		"csrc/arfuse/params.h": {`#include "arfuse/vocab.h"`},
+	} {
+		src := readRepoFile(t, file)
+		for _, u := range uses {
+			if !bytes.Contains(src, []byte(u)) {
+				t.Errorf("%s: no %q", file, u)
+			}
+		}
+	}
+}
+
+// Every op is registered for a known dispatch key with a function csrc/arfuse/ops.h declares.
+func TestOps(t *testing.T) {
+	opsH := readRepoFile(t, "csrc/arfuse/ops.h")
 	declared := func(fn string) bool {
 		return regexp.MustCompile(`\b` + fn + `\(`).Match(opsH)
 	}
@@ -153,105 +424,6 @@ func TestOutKindRows(t *testing.T) {
 			t.Errorf("%s and %s are both asked for as %s", prev, o.Name, key)
 		}
 		seen[key] = o.Name
-	}
-}
-
-// The kernel limits the plan relies on are literals in the hand-written CUDA; each must be the
-// tables' value.
-func TestKernelLimitsMatchCUDA(t *testing.T) {
-	kernel := readRepoFile(t, "csrc/arfuse/kernel.cuh")
-	clusters := "kCluster == 1"
-	for _, c := range slices.Sorted(slices.Values(clusterSizes)) {
-		clusters += " || kCluster == " + strconv.Itoa(c)
-	}
-	for _, c := range []struct{ file, literal, what string }{
-		{"kernel.cuh", "kBlockThreads = kGeneric ? " + strconv.Itoa(genericMaxThreads) + " :", "generic block: genericMaxThreads"},
-		{"kernel.cuh", "kWarpsPerToken = kGeneric ? " + strconv.Itoa(genericMaxThreads/32) + " :", "generic warps per token: genericMaxThreads / 32"},
-		{"kernel.cuh", "kVpt >= 1 && kVpt <= " + strconv.Itoa(maxVecsPerThread) + ",", "vectors per thread: maxVecsPerThread"},
-		{"kernel.cuh", clusters + ",", "cluster sizes: 1 and clusterSizes"},
-	} {
-		if !bytes.Contains(kernel, []byte(c.literal)) {
-			t.Errorf("csrc/arfuse/%s: no %q (%s)", c.file, c.literal, c.what)
-		}
-	}
-	// The vector width of each dtype, as the host code spells it: fp32 is the one 4-byte dtype.
-	for _, d := range dtypes {
-		if (d.Name == "fp32") != (d.Vec() == 4) || (d.Name != "fp32" && d.Vec() != 8) {
-			t.Errorf("%s: vector of %d elements; csrc/dispatch.cpp and csrc/kernels.cu say fp32 ? 4 : 8", d.Name, d.Vec())
-		}
-	}
-	for file, literal := range map[string]string{
-		"csrc/dispatch.cpp": "return dtype == DType::kFP32 ? 4 : 8;",
-		"csrc/kernels.cu":   "const int vec = dtype == DType::kFP32 ? 4 : 8;",
-	} {
-		if !bytes.Contains(readRepoFile(t, file), []byte(literal)) {
-			t.Errorf("%s: no %q (the dtype table's vector widths)", file, literal)
-		}
-	}
-}
-
-// pyOutput is one output kind row of arfuse/_vocab.py.
-type pyOutput struct {
-	Name    string `json:"name"`
-	Torch   string `json:"torch"`
-	Scales  string `json:"scales"`
-	Group   int    `json:"group"`
-	Bounded bool   `json:"bounded"`
-	Layouts bool   `json:"layouts"`
-}
-
-// pyVocab is the JSON block of arfuse/_vocab.py.
-type pyVocab struct {
-	DTypes []struct {
-		Name  string `json:"name"`
-		Torch string `json:"torch"`
-		Bytes int    `json:"bytes"`
-	} `json:"dtypes"`
-	Algorithms      []string       `json:"algorithms"`
-	LocalAlgorithms []string       `json:"local_algorithms"`
-	Outputs         []pyOutput     `json:"outputs"`
-	Limits          map[string]int `json:"limits"`
-}
-
-// arfuse/_vocab.py holds the tables as JSON; it must be exactly what the Go tables say.
-func TestPythonVocabulary(t *testing.T) {
-	src := readRepoFile(t, "arfuse/_vocab.py")
-	m := regexp.MustCompile(`(?s)\n_TABLES = json\.loads\("""(.*?)"""\)`).FindSubmatch(src)
-	if m == nil {
-		t.Fatal(`arfuse/_vocab.py has no _TABLES = json.loads("""...""")`)
-	}
-	dec := json.NewDecoder(bytes.NewReader(m[1]))
-	dec.DisallowUnknownFields()
-	var got pyVocab
-	if err := dec.Decode(&got); err != nil {
-		t.Fatalf("arfuse/_vocab.py _TABLES: %v", err)
-	}
-	var want pyVocab
-	for _, d := range dtypes {
-		want.DTypes = append(want.DTypes, struct {
-			Name  string `json:"name"`
-			Torch string `json:"torch"`
-			Bytes int    `json:"bytes"`
-		}{d.Name, d.Torch, d.Size})
-	}
-	want.Algorithms = namesOf(allAlgos())
-	for _, a := range algos {
-		if a.Local {
-			want.LocalAlgorithms = append(want.LocalAlgorithms, a.Name)
-		}
-	}
-	for _, o := range outKinds {
-		want.Outputs = append(want.Outputs, pyOutput{o.Name, o.Torch, o.Scales.Name, o.Group, o.Bounded, o.Layouts})
-	}
-	want.Limits = map[string]int{
-		"vector_bytes": vectorBytes, "max_hidden": maxHidden, "generic_max_threads": genericMaxThreads,
-		"max_vecs_per_thread": maxVecsPerThread, "max_world": maxWorld, "max_top_k": maxTopK,
-		"quant_group": quantGroup,
-	}
-	if !reflect.DeepEqual(got, want) {
-		g, _ := json.Marshal(got)
-		w, _ := json.Marshal(want)
-		t.Errorf("arfuse/_vocab.py _TABLES is not gen/tables.go:\n got %s\nwant %s", g, w)
 	}
 }
 

@@ -7,7 +7,9 @@ package main
 // Deletion policy: only files that carry the generated marker (generatedMarker in their first
 // 512 bytes) are ever deleted or reported as extra; anything else under the output directory (a
 // build's object files, a README) is left alone, so --out pointing at the wrong directory cannot
-// destroy hand-written files.
+// destroy hand-written files. The checked-in vocabulary (vocab.go) is written under --root, the
+// repository root, with writeListed: only its own files are compared and written, nothing there is
+// scanned or deleted.
 
 import (
 	"bytes"
@@ -62,8 +64,28 @@ func normalise(files Files) ([]string, error) {
 	return rels, nil
 }
 
-// diff compares the rendered tree with dir.
+// diff compares the rendered tree with dir, including the generated files under dir that the tree
+// no longer has ("extra").
 func diff(dir string, files Files) ([]Change, error) {
+	changes, err := diffListed(dir, files)
+	if err != nil {
+		return nil, err
+	}
+	stale, err := staleFiles(dir, files)
+	if err != nil {
+		return nil, err
+	}
+	for _, p := range stale {
+		changes = append(changes, Change{p, "extra"})
+	}
+	slices.SortFunc(changes, func(a, b Change) int { return strings.Compare(a.Path, b.Path) })
+	return changes, nil
+}
+
+// diffListed compares only the rendered files with their copies under dir: for a directory that
+// holds far more than the generator's files (the repository root, where the checked-in vocabulary
+// lives), which is never scanned for stale ones.
+func diffListed(dir string, files Files) ([]Change, error) {
 	rels, err := normalise(files)
 	if err != nil {
 		return nil, err
@@ -81,14 +103,6 @@ func diff(dir string, files Files) ([]Change, error) {
 			changes = append(changes, Change{p, "differs"})
 		}
 	}
-	stale, err := staleFiles(dir, files)
-	if err != nil {
-		return nil, err
-	}
-	for _, p := range stale {
-		changes = append(changes, Change{p, "extra"})
-	}
-	slices.SortFunc(changes, func(a, b Change) int { return strings.Compare(a.Path, b.Path) })
 	return changes, nil
 }
 
@@ -132,23 +146,38 @@ func write(dir string, files Files) ([]Change, error) {
 	if err != nil {
 		return nil, err
 	}
+	return changes, apply(dir, files, changes)
+}
+
+// writeListed writes the changed and missing files of files under dir and removes nothing (the
+// checked-in vocabulary: diffListed).
+func writeListed(dir string, files Files) ([]Change, error) {
+	changes, err := diffListed(dir, files)
+	if err != nil {
+		return nil, err
+	}
+	return changes, apply(dir, files, changes)
+}
+
+// apply carries out changes, as diff or diffListed found them.
+func apply(dir string, files Files, changes []Change) error {
 	for _, c := range changes {
 		if c.What == "extra" {
 			if err := os.Remove(c.Path); err != nil {
-				return nil, err
+				return err
 			}
 			removeEmptyParents(dir, filepath.Dir(c.Path))
 			continue
 		}
 		rel, err := filepath.Rel(dir, c.Path)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if err := writeFile(c.Path, files[filepath.ToSlash(rel)]); err != nil {
-			return nil, err
+			return err
 		}
 	}
-	return changes, nil
+	return nil
 }
 
 func writeFile(p string, data []byte) error {

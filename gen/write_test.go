@@ -185,10 +185,10 @@ func TestTemplatesFailLoudly(t *testing.T) {
 		t.Fatal(err)
 	}
 	// missingkey=error and the fail helper: an instance template without a variant refuses.
-	if _, err := renderOne(tm, "instance.cu.tmpl", tmplData{Template: "x", Gen: &Gen{}}); err == nil {
+	if _, err := renderOne(tm, "cuda/instance.cu.tmpl", tmplData{Template: "x", Gen: &Gen{}}); err == nil {
 		t.Error("instance.cu.tmpl rendered without a variant")
 	}
-	if _, err := renderOne(tm, "dispatch.cu.tmpl", tmplData{Template: "x", Gen: &Gen{Tuning: &Tuning{}}}); err == nil ||
+	if _, err := renderOne(tm, "cuda/dispatch.cu.tmpl", tmplData{Template: "x", Gen: &Gen{Tuning: &Tuning{}}}); err == nil ||
 		!strings.Contains(err.Error(), "no kernel instances") {
 		t.Errorf("dispatch.cu.tmpl with no instances: %v", err)
 	}

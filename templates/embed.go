@@ -4,7 +4,8 @@ package templates
 
 import "embed"
 
-// FS holds cuda/*.tmpl; paths inside it are relative to templates/.
+// FS holds cuda/*.tmpl (out/) and vocab/*.tmpl (the checked-in vocabulary files); paths inside it
+// are relative to templates/.
 //
-//go:embed cuda/*.tmpl
+//go:embed cuda/*.tmpl vocab/*.tmpl
 var FS embed.FS

@@ -479,6 +479,7 @@ def test_python_speaks_the_headers_api_version():
     from arfuse import _lib
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "csrc", "arfuse", "params.h")) as f:
+    # csrc/arfuse/vocab.h and arfuse/_vocab_tables.py: both generated from gen/tables.go.
+    with open(os.path.join(root, "csrc", "arfuse", "vocab.h")) as f:
         m = re.search(r"#define ARFUSE_DEVICE_API_VERSION (\d+)", f.read())
     assert m and int(m.group(1)) == _lib.API_VERSION

@@ -1,6 +1,7 @@
 """arfuse/_vocab.py against the compiled library: the positions it gives dtypes, algorithms and
-output kinds are the values the C++ ops use, and its limits are the built plan's. (go test ./gen
-checks the same module against the Go tables, TestPythonVocabulary.)"""
+output kinds are the values the C++ ops use, and its limits are the built plan's. (Its rows are
+arfuse/_vocab_tables.py, generated from the Go tables: go test ./gen checks what the generator
+prints, TestVocabPython, and that the checked-in file is current, as gen --check does.)"""
 
 import torch
 

@@ -17,7 +17,7 @@
 namespace arfuse {
 
 // ---------------------------------------------------------------------------------------------
-// Element types. kVec elements make one 16-byte access. The Lamport sentinel is the bit pattern
+// Element types. kVec elements make one 16-byte access (kVectorBytes, a uint4). The Lamport sentinel is the bit pattern
 // of -0.0 in the element type: buffers are filled with it, a sender never sends it (a -0.0 value
 // is sent as +0.0), and a receiver treats any element still holding it as "not arrived". The
 // test is on bits, never a float compare (a float compare would also match +0.0 and, with
@@ -28,7 +28,7 @@ struct Elem;
 
 template <>
 struct Elem<__nv_bfloat16> {
-  static constexpr int kVec = 8;
+  static constexpr int kVec = kVectorBytes / static_cast<int>(sizeof(__nv_bfloat16));
   static __device__ __forceinline__ float to_float(uint16_t bits) {
     return __uint_as_float(static_cast<uint32_t>(bits) << 16);
   }
@@ -39,7 +39,7 @@ struct Elem<__nv_bfloat16> {
 
 template <>
 struct Elem<__half> {
-  static constexpr int kVec = 8;
+  static constexpr int kVec = kVectorBytes / static_cast<int>(sizeof(__half));
   static __device__ __forceinline__ float to_float(uint16_t bits) {
     return __half2float(__ushort_as_half(bits));
   }
@@ -50,7 +50,7 @@ struct Elem<__half> {
 
 template <>
 struct Elem<float> {
-  static constexpr int kVec = 4;
+  static constexpr int kVec = kVectorBytes / static_cast<int>(sizeof(float));
 };
 
 // A 16-byte vector unpacked to / packed from kVec floats.

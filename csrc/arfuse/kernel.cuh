@@ -58,8 +58,8 @@ struct KernelConfig {
   static constexpr bool kOwnInRegs = kAlgo_ == Algo::kTwoShot;
   static constexpr int kVec = Elem<T>::kVec;
   static constexpr bool kGeneric = kHidden == 0;
-  static constexpr int kBlockThreads = kGeneric ? 512 : kTpt * kTpb;  // launch bound
-  static constexpr int kWarpsPerToken = kGeneric ? 16 : (kTpt + 31) / 32;
+  static constexpr int kBlockThreads = kGeneric ? kGenericMaxThreads : kTpt * kTpb;  // launch bound
+  static constexpr int kWarpsPerToken = kGeneric ? kGenericMaxThreads / 32 : (kTpt + 31) / 32;
   // Ranks polled per batch: all of them when N is fixed (loads issued together), 4 otherwise.
   static constexpr int kRankBatch = kWorld == 0 ? 4 : (kWorld < 8 ? kWorld : 8);
 
@@ -89,8 +89,8 @@ struct KernelConfig {
   static_assert(kGeneric || (kTpt % 32 == 0 && kTpt > 0), "threads per token: whole warps");
   static_assert(kGeneric || (kHidden / kVec) % kCluster == 0, "cluster must divide the row");
   static_assert(kGeneric || (kHidden / kVec / kCluster) <= kTpt * kVpt, "row does not fit");
-  static_assert(kVpt >= 1 && kVpt <= 8, "vectors per thread must be 1..8 (row in registers)");
-  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4 || kCluster == 8, "cluster size");
+  static_assert(kVpt >= 1 && kVpt <= kMaxVecsPerThread, "vectors per thread must be 1..kMaxVecsPerThread (row in registers)");
+  static_assert(is_cluster_size(kCluster), "cluster size: 1 or one of kClusterSizes");
   static_assert(kWorld == 0 || (kWorld >= 1 && kWorld <= kMaxWorld), "world size");
   static_assert(kBlockThreads <= 1024, "block too large");
   static_assert(kMinBlocks >= 0 && kMinBlocks * kBlockThreads <= 2048,

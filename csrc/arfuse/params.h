@@ -1,43 +1,45 @@
 // arfuse: the launch parameters shared by the host op code (g++) and the device code (nvcc).
 //
 // Plain C++ only: no CUDA or torch types, so that the torch op file and every generated kernel
-// instance agree on one layout. Hand-written; the generator never copies anything from here.
+// instance agree on one layout. Hand-written; the vocabulary it builds on (the device API version
+// ARFUSE_DEVICE_API_VERSION, which versions this file's LaunchParams; the enums DType, Algo,
+// OutKind and their names; kMaxWorld, kMaxTopK, kQuantGroup and the other kernel limits) is
+// arfuse/vocab.h, generated from gen/tables.go.
 #pragma once
 
 #include <cstdint>
 
 #include "arfuse/protocol.h"
+#include "arfuse/vocab.h"
 
 namespace arfuse {
 
-// Bumped whenever LaunchParams, the kernel template's parameters, the launcher signature or the
-// dispatch table's Instance (csrc/arfuse/dispatch.h) change.
-// Every generated file static_asserts on it, so stale generated output stops compiling.
-#define ARFUSE_DEVICE_API_VERSION 13
+// Bytes per element of a dtype, and the elements of one kVectorBytes access (the vocabulary's
+// kDTypeBytes row).
+constexpr int dtype_bytes(DType dtype) { return kDTypeBytes[static_cast<int>(dtype)]; }
+constexpr int dtype_vec(DType dtype) { return kVectorBytes / dtype_bytes(dtype); }
 
-constexpr int kMaxWorld = 16;   // largest tensor-parallel group a communicator serves
-constexpr int kMaxTopK = 64;    // largest K (experts per token) accepted by the op
+// Whether a one-shot row may be split over a thread-block cluster of c CTAs: 1, or one of the
+// vocabulary's kClusterSizes.
+constexpr bool is_cluster_size(int c) {
+  if (c == 1) return true;
+  for (int s : kClusterSizes) {
+    if (s == c) return true;
+  }
+  return false;
+}
 
-// Scalar types as the dispatch table names them (same order as the generator's dtype table).
-enum class DType : int32_t { kBF16 = 0, kFP16 = 1, kFP32 = 2 };
-// Algorithms. kAuto is resolved on the host: kLocal at world size 1, else one-shot or two-shot by
-// the tuned threshold. kLocal is the world-size-1 op (finalize + shared add + residual + RMSNorm,
-// no communication: no workspace, no waits) and serves world size 1 only; the all-reduce
-// algorithms serve world sizes 2 and up.
-enum class Algo : int32_t { kAuto = 0, kOneShot = 1, kTwoShot = 2, kLocal = 3 };
-// Output kinds: kNorm writes norm_out in the activation dtype; the others write FP8-e4m3
-// (saturating) and differ in the scale:
+// Output kinds (enum class OutKind): kNorm writes norm_out in the activation dtype; the others
+// write FP8-e4m3 (saturating) and differ in the scale:
 //   kFP8Static:   saturate(y * (1 / scale)), a float32 per-tensor scale input (fp8_scale);
 //   kFP8Token:    one dynamic scale per token, max(min(amax_t, ub) / 448, 1 / (448 * 512)),
 //                 written to scale_out[t] (vLLM's dynamic per-token FP8 quantization);
-//   kFP8Group128: one dynamic scale per group of 128 consecutive elements, max(amax, 1e-10) / 448
-//                 (optionally rounded up to a power of two), written to scale_out (vLLM's
-//                 per-token-group FP8 quantization with group size 128).
+//   kFP8Group128: one dynamic scale per group of kQuantGroup (128) consecutive elements,
+//                 max(amax, 1e-10) / 448 (optionally rounded up to a power of two), written to
+//                 scale_out (vLLM's per-token-group FP8 quantization with group size 128).
 // y is the float32 RMSNorm output; the dynamic kinds write saturate(y / scale). amax is
 // NaN-propagating: a NaN in the token (group) makes its scale and every code of it NaN.
-enum class OutKind : int32_t { kNorm = 0, kFP8Static = 1, kFP8Token = 2, kFP8Group128 = 3 };
-// Elements per group of OutKind::kFP8Group128 (its writer's kGroup, csrc/arfuse/writers.cuh).
-constexpr int kQuantGroup = 128;
+
 // How the routed experts' outputs arrive.
 enum class Layout : int32_t {
   kPlain = 0,     // [T, H], already reduced over experts (K = 1, no weights)

@@ -88,7 +88,7 @@ void release(Comm& c) {
 
 void allocate(Comm& c) {
   const DeviceScope scope(c.device_index);
-  const int64_t elem = c.dtype == DType::kFP32 ? 4 : 2;
+  const int64_t elem = dtype_bytes(c.dtype);
   const size_t bytes = static_cast<size_t>(kNumSlots * c.slot_elems * elem);
   ARFUSE_CUDA_CHECK(cudaMalloc(&c.data, bytes), "cudaMalloc of the Lamport buffer");
   ARFUSE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&c.ctrl), sizeof(Ctrl)),

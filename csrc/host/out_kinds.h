@@ -16,12 +16,8 @@ namespace arfuse::host {
 
 using torch::headeronly::ScalarType;
 
-// How an output kind's scale arrives or is written (gen/tables.go scaleRules, in this order; go test ./gen checks):
-//   kNone      no scale (fused without fp8_scale);
-//   kInput     a float32 one-element input (fused's fp8_scale);
-//   kPerToken  written by the kernel, float32 [T] (fused_fp8_dynamic, group_size 0);
-//   kPerGroup  written, float32 [T, H / group], row- or column-major (group_size = group).
-enum class Scales : int32_t { kNone = 0, kInput = 1, kPerToken = 2, kPerGroup = 3 };
+// How an output kind's scale arrives or is written: enum class Scales (kNone, kInput, kPerToken,
+// kPerGroup), generated from gen/tables.go scaleRules into csrc/arfuse/vocab.h.
 
 struct OutKindTraits {
   OutKind kind;
