@@ -83,7 +83,7 @@ def test_a_peer_that_stops_ends_its_peers_loudly(fault):
 @pytest.mark.parametrize("case, rule", [
     ("max_tokens", "was created with max_tokens="),
     ("hidden", "was created with hidden="),
-    ("dtype", "was created with dtype=torch.float"),
+    ("dtype", "was created with dtype=torch."),
     ("bad_hidden", "creation failed on 1 of 2 ranks (rank 1: hidden: 2052 must be a positive "
                    "multiple of 8"),
 ])
