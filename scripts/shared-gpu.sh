@@ -3,8 +3,9 @@
 # real Communicator over a process group, CUDA IPC handles opened by other processes, kernels
 # spinning on other processes' memory. arfuse.check under torchrun with every rank on cuda:0 and
 # gloo for the handle exchange, for each N of WORLDS, under MPS (scripts/mps.sh: the daemon is
-# always stopped again); then N = 2 --quick without MPS (time-sliced); then the benchmark's
-# torchrun mode once, its figures labelled "ranks sharing one GPU" (not the speed of a TP group).
+# always stopped again); then the fault and creation tests (tests/test_gpu_shared.py under MPS),
+# the buffer's memory (scripts/comm_memory.py), the benchmark's torchrun mode once (its figures
+# labelled "ranks sharing one GPU", not the speed of a TP group), N = 2 --quick time-sliced.
 #
 #   scripts/shared-gpu.sh OUTDIR
 #
@@ -58,8 +59,24 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 scripts/mps.sh bash -c "$(declare -f left summary pack check); $(declare -p start deadline work out PY); rc_all=0
   for n in ${WORLDS:-2 4 8}; do check check-mps-w\$n \$n ${CHECK_ARGS:-}; done; exit \$rc_all" \
   || rc_all=1
-if [ "${TIMESLICED:-1}" = 1 ]; then  # without MPS: the processes' kernels take turns on the GPU
-  CAP=90 check check-timesliced-w2 2 --quick --only token_counts --timeout-s 5
+if [ "${FAULTS:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then  # item 3: a peer that stops, under MPS
+  t0=$(date +%s)
+  (cd "$work" && "$root/scripts/mps.sh" timeout "$(left)" "$PY" -m pytest -q -p no:cacheprovider -s \
+    "$root/tests/test_gpu_shared.py" >"$work/faults.log" 2>&1)
+  rc=$?
+  summary "faults (tests/test_gpu_shared.py under MPS): rc=$rc $(( $(date +%s) - t0 )) s"
+  [ $rc -eq 0 ] || rc_all=1
+  grep -E "passed|failed|exit|gave up|CRITICAL" "$work/faults.log" | tail -n 20
+fi
+if [ "${MEMORY:-1}" = 1 ] && [ "$(left)" -gt 40 ]; then  # item 4: the buffer, measured
+  for n in ${MEMORY_WORLDS:-2 8}; do
+    (cd "$work" && timeout "$(left)" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" \
+      "$root/scripts/comm_memory.py" --out "$work/memory-w$n.md" >"$work/memory-w$n.log" 2>&1)
+    rc=$?
+    summary "memory (ranks sharing one GPU, N=$n): rc=$rc"
+    [ $rc -eq 0 ] || { rc_all=1; tail -n 5 "$work/memory-w$n.log"; }
+    cat "$work/memory-w$n.md" 2>/dev/null
+  done
 fi
 if [ "${BENCH:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
   t0=$(date +%s)
@@ -72,24 +89,8 @@ if [ "${BENCH:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then
   [ $rc -eq 0 ] || rc_all=1
   cat "$work"/bench/*.md 2>/dev/null | head -n 40
 fi
-if [ "${MEMORY:-1}" = 1 ] && [ "$(left)" -gt 40 ]; then  # item 4: the buffer, measured
-  for n in ${MEMORY_WORLDS:-2 8}; do
-    (cd "$work" && timeout "$(left)" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$n" \
-      "$root/scripts/comm_memory.py" --out "$work/memory-w$n.md" >"$work/memory-w$n.log" 2>&1)
-    rc=$?
-    summary "memory (ranks sharing one GPU, N=$n): rc=$rc"
-    [ $rc -eq 0 ] || { rc_all=1; tail -n 5 "$work/memory-w$n.log"; }
-    cat "$work/memory-w$n.md" 2>/dev/null
-  done
-fi
-if [ "${FAULTS:-1}" = 1 ] && [ "$(left)" -gt 60 ]; then  # item 3: a peer that stops, under MPS
-  t0=$(date +%s)
-  (cd "$work" && "$root/scripts/mps.sh" timeout "$(left)" "$PY" -m pytest -q -p no:cacheprovider -s \
-    "$root/tests/test_gpu_shared.py" >"$work/faults.log" 2>&1)
-  rc=$?
-  summary "faults (tests/test_gpu_shared.py under MPS): rc=$rc $(( $(date +%s) - t0 )) s"
-  [ $rc -eq 0 ] || rc_all=1
-  grep -E "passed|failed|exit|gave up|CRITICAL" "$work/faults.log" | tail -n 20
+if [ "${TIMESLICED:-1}" = 1 ]; then  # without MPS: the processes' kernels take turns on the GPU
+  CAP=90 check check-timesliced-w2 2 --quick --only token_counts --timeout-s 5
 fi
 pack
 echo "shared-gpu: $(( $(date +%s) - start )) s, exit $rc_all"
