@@ -231,7 +231,7 @@ test-gpu:
 	ARFUSE_LIBRARY=$(abspath $(CI_LIB))/libarfuse_ops.so ARFUSE_MANIFEST=$(abspath $(CI_OUT))/manifest.json \
 	  $(PYTHON) -m pytest -q -ra tests -m gpu
 
-# Lane B (docs/vllm.md): vLLM 0.34.0 and torch 2.14 in their own environment (7.2 GB kept, 8 GB at
+# Lane B (docs/vllm.md): vLLM 0.34.0 and torch 2.14 in their own environment (about 7 GB kept, 8 GB at
 # the peak of its install), the whole Python suite against the stable-ABI library lane A built.
 # Where less than LANE_B_FREE_MB is free, lane A's environment (.venv, which the next `make`
 # rebuilds) is removed first; where even then the install runs out of space, lane B is skipped
