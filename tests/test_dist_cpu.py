@@ -419,3 +419,26 @@ def test_multigpu_script_caps_worlds_and_knobs():
     assert len(runs) == 1 and runs[0].endswith("--replays 50")
     p = _plan(NGPUS="1")
     assert p.returncode == 3 and "needs >= 2 GPUs" in p.stdout
+
+
+def test_a_failed_creation_is_told_to_every_rank(lib):
+    """Two processes over gloo whose comm_create fails on every rank, each for its own reason:
+    no rank waits for a peer that gave up, and every rank raises one ValueError naming every
+    failed rank and its reason (arfuse.comm.Communicator._create_together)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("agree_probe.py"))], cwd=checkout.cwd(),
+        env=_env(OMP_NUM_THREADS="1", RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out
+        (line,) = [ln for ln in out.splitlines() if ln.startswith(f"rank {r}: ")]
+        assert "refused: arfuse: Communicator: creation failed on 2 of 2 ranks" in line, out
+        assert "rank 0: " in line and "device: cpu is not supported" in line, out
+        assert "rank 1: " in line and "hidden: 2052 must be a positive multiple of 8" in line, out
