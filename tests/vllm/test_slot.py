@@ -135,3 +135,21 @@ def test_slot_steps_aside_for_the_plugin(root, monkeypatch):
     slot = config.compilation_config.inductor_compile_config[KEY]
     with set_current_vllm_config(config):
         assert slot.inner() is None
+
+
+def test_slot_load_hook_leaves_the_moe_layers(root, monkeypatch):
+    """The slot's Worker.load_model hook body creates the communicator but does not switch the MoE
+    layers (docs/vllm.md: the slot fuses after vLLM's finalized output); the plugin's does."""
+    from types import SimpleNamespace
+
+    from arfuse.vllm import communicators, load
+
+    config = slot_config(root)
+    switched = []
+    monkeypatch.setattr(load, "switch_moe_rows", lambda c: switched.append(c) or [])
+    monkeypatch.setattr(communicators, "get_communicator", lambda c, create=True: object())
+    worker = SimpleNamespace(vllm_config=config)
+    load.after_load_model_slot(worker, None, (), {})
+    assert switched == [] and load.worker_config() is config
+    load.after_load_model(worker, None, (), {})
+    assert switched == [config]
