@@ -8,7 +8,7 @@
 #
 #   scripts/vllm-gpu-tp.sh OUTDIR          after scripts/vllm-gpu-unpack.sh; dist/ carried
 #
-# Knobs: RUNS (CASE:HIDDEN:N ..., default "qwen3-moe:2048:2 deepseek-v3:7168:2 qwen3-moe:2048:4"),
+# Knobs: RUNS (CASE:HIDDEN:N ..., default "qwen3-moe:2048:2 deepseek-v3:7168:2 deepseek-v3-fp8:7168:2 qwen3-moe-fp8:2048:2 qwen3-moe:2048:4"),
 # MPS=1 runs the processes under scripts/mps.sh (default time-sliced: see tp_probe.py),
 # DEADLINE_S (560). OUTDIR: one folder per run with each rank's tp-R.json and the log; summary.txt.
 # Exit status 0 when every run passed on every rank.
@@ -31,7 +31,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 wrap=(); [ "${MPS:-0}" = 1 ] && wrap=("$root/scripts/mps.sh")
 rc_all=0
-for run in ${RUNS:-qwen3-moe:2048:2 deepseek-v3:7168:2 qwen3-moe:2048:4}; do
+for run in ${RUNS:-qwen3-moe:2048:2 deepseek-v3:7168:2 deepseek-v3-fp8:7168:2 qwen3-moe-fp8:2048:2 qwen3-moe:2048:4}; do
   IFS=: read -r case hidden n <<<"$run"
   name=$case-h$hidden-tp$n; dir=$out/$name; mkdir -p "$dir"
   t=$(left); [ "$t" -gt 60 ] || { echo "$name: not run (deadline)" | tee -a "$out/summary.txt"; rc_all=1; continue; }

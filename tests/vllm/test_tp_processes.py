@@ -23,7 +23,8 @@ pytestmark = pytest.mark.gpu
 PROBE = Path(__file__).with_name("tp_probe.py")
 
 
-@pytest.mark.parametrize("case, hidden", [("qwen3-moe", 2048), ("deepseek-v3", 7168)])
+@pytest.mark.parametrize("case, hidden", [("qwen3-moe", 2048), ("deepseek-v3", 7168),
+                                          ("qwen3-moe-fp8", 2048), ("deepseek-v3-fp8", 7168)])
 def test_decoder_layers_at_tp2_in_two_processes(case, hidden, tmp_path):
     env = checkout.pythonpath(os.environ)
     env.update(CASE=case, HIDDEN=str(hidden), OUT=str(tmp_path), ARFUSE_VLLM="1")

@@ -35,13 +35,23 @@ What differs from a deployment, and why:
   lazily (Inductor's and Triton's, at their first call) waits for every kernel on the GPU, a
   peer's arfuse kernel spinning for this rank included (docs/multigpu.md).
 
-Environment: torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), CASE (qwen3-moe or
-deepseek-v3), HIDDEN (2048), OUT (a folder for rank R's result, tp-R.json), SEED.
+FP8-block cases (CASE qwen3-moe-fp8, deepseek-v3-fp8): the model as an FP8-block checkpoint
+builds it (quantization_config fp8, weight_block_size [128, 128], dynamic activations): vLLM's
+Fp8LinearMethod for the linear layers and Fp8MoEMethod for the experts, with the backends vLLM's
+oracles pick on the GPU. The small configs' sizes are made multiples of the 128 block per rank
+(vLLM's validate_fp8_block_shape). Left unquantized: the routers (as the released FP8 checkpoints
+leave them) and DeepSeek's kv_b_proj, whose weight the MLA attention stand-in reads directly.
+FP8 weights are drawn in e4m3's normal range (x16) with block scales 1/16 of the bf16 draw's
+(fp8_weights); their bound is FP8_BOUND.
+
+Environment: torchrun's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), CASE (qwen3-moe,
+deepseek-v3, qwen3-moe-fp8 or deepseek-v3-fp8), HIDDEN (2048), OUT (a folder for rank R's result, tp-R.json), SEED.
 Exit status 0 when every check passed on this rank.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -69,6 +79,14 @@ from vllm.distributed.device_communicators.base_device_communicator import (  # 
 TOKENS = (24, 7, 1)  # through the one compiled model (compile range [1, MAX_TOKENS])
 GRAPH_TOKENS = 8  # captured in a CUDA graph and replayed
 REPLAYS = 20
+FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+             "weight_block_size": [128, 128]}
+# Every element within atol + rtol * |reference| for the FP8-block cases: the expert and linear
+# inputs are quantized to e4m3 per token and group of 128 in both computations, and a bf16 step
+# of difference in a norm output (arfuse normalizes in float32 and rounds once) can move an
+# element to the neighbouring e4m3 value (a relative step of 2^-3 at most).
+FP8_BOUND = (2**-5, 2**-4)
+FP8_WEIGHT_GAIN = 16.0
 
 
 class DryRunDone(Exception):
@@ -129,19 +147,27 @@ def build(case, dtype, seed: int, root: Path, world: int):
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    config = D.model_config(root, case, dtype, device=device.type)
+    # (no GPU: vLLM's norm + quant fusion passes, on for FP8 models, need its CUDA kernels)
+    passes = ({"fuse_norm_quant": False, "fuse_act_quant": False}
+              if device.type == "cpu" and "quantization_config" in case.config else {})
+    config = D.model_config(root, case, dtype, device=device.type, passes=passes)
     rank = int(os.environ["RANK"])
     parallel_state(config, world, rank)
     default = torch.get_default_dtype()
     # (no GPU: vLLM's CPU MoE backend -- a dry run of the set-up and the unfused forward only)
     stubs = D.attention_stubs() if device.type == "cuda" else D.cpu_build()
-    with stubs, set_current_vllm_config(config), device:
+    quantized = "quantization_config" in case.config
+    with stubs, fp8_skips() if quantized else contextlib.nullcontext(), \
+            set_current_vllm_config(config), device:
         torch.set_default_dtype(dtype)
         try:
             model = case.model_cls()(vllm_config=config, prefix="model")
         finally:
             torch.set_default_dtype(default)
-    D.init_weights(model, torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    D.init_weights(model, generator)
+    if quantized:
+        assert fp8_weights(model, generator) > 0, "an FP8-block case with no FP8 weight"
     process_weights_after_loading(model, config.model_config, device)
     if device.type == "cpu":
         D._ensure_workspace()
@@ -164,10 +190,11 @@ def forward(model, config, ids, pos, compiled: bool) -> torch.Tensor:
         return model(ids, pos, None)
 
 
-def close_enough(got: torch.Tensor, want: torch.Tensor, dtype) -> tuple[bool, float, int]:
-    """Every element within atol + rtol * |want| (test_decoder_layers' bounds), NaN where want
-    is NaN; (ok, max |got - want|, elements outside)."""
-    atol, rtol = {torch.bfloat16: (2**-6, 2**-5), torch.float16: (2**-8, 2**-7)}[dtype]
+def close_enough(got: torch.Tensor, want: torch.Tensor, dtype,
+                 bound: tuple[float, float] | None = None) -> tuple[bool, float, int]:
+    """Every element within atol + rtol * |want| (test_decoder_layers' bounds unless `bound`
+    gives them), NaN where want is NaN; (ok, max |got - want|, elements outside)."""
+    atol, rtol = bound or {torch.bfloat16: (2**-6, 2**-5), torch.float16: (2**-8, 2**-7)}[dtype]
     g, w = got.double(), want.double()
     bad = ~((g - w).abs() <= atol + rtol * w.abs())
     bad &= ~(g.isnan() & w.isnan())
@@ -185,16 +212,76 @@ def arfuse_kernels(fn) -> int:
     return sum(1 for e in prof.events() if "arfuse" in e.name and e.device_type.name == "CUDA")
 
 
+def make_case(name: str, hidden: int, world: int):
+    """decoder_models' case at this hidden size; the FP8-block variants with every size that
+    vLLM splits over the TP ranks a multiple of the 128 block per rank."""
+    import decoder_models as D
+
+    base = {"qwen3-moe": D.QWEN3_MOE, "deepseek-v3": D.DEEPSEEK_V3}[name.removesuffix("-fp8")]
+    config = dict(base.config, hidden_size=hidden)
+    if name.endswith("-fp8"):
+        assert hidden % 128 == 0, f"HIDDEN {hidden}: FP8-block needs a multiple of 128"
+        config.update(quantization_config=FP8_BLOCK, moe_intermediate_size=128 * world)
+        if base is D.QWEN3_MOE:  # q 2 x 128, k and v 128 a rank at TP 2; o_proj's input 256
+            config.update(num_attention_heads=2 * world, num_key_value_heads=world, head_dim=128)
+        else:  # MLA: q_lora_rank and the heads' q / kv_b / o_proj shards 128 a rank
+            config.update(q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64,
+                          qk_rope_head_dim=64, v_head_dim=64, num_attention_heads=2 * world,
+                          num_key_value_heads=2 * world, intermediate_size=256 * world)
+    elif name not in ("qwen3-moe", "deepseek-v3"):
+        raise SystemExit(f"CASE {name!r}: qwen3-moe, deepseek-v3, qwen3-moe-fp8 or deepseek-v3-fp8")
+    return dataclasses.replace(base, name=name, config=config)
+
+
+@contextlib.contextmanager
+def fp8_skips():
+    """While an FP8-block model is built: the routers and DeepSeek's kv_b_proj left unquantized
+    (vLLM's own is_layer_skipped decides every other layer)."""
+    from vllm.model_executor.layers.quantization import fp8
+
+    own = fp8.is_layer_skipped
+
+    def skipped(prefix, *args, **kwargs):
+        return prefix.endswith((".gate", ".kv_b_proj")) or own(prefix, *args, **kwargs)
+
+    with mock.patch.object(fp8, "is_layer_skipped", skipped):
+        yield
+
+
+def fp8_weights(model, generator: torch.Generator) -> int:
+    """FP8 weights redrawn after decoder_models.init_weights: e4m3 values N(0, 16^2) (its normal
+    range; init_weights' N(0, 1 / fan-in) would be mostly subnormal) and block scales
+    (1 + U(0, 1/4)) / (16 sqrt(fan-in)), times OUTPUT_SCALE for the output projections -- the
+    same weight scale as the bf16 models'. Returns how many FP8 weights there are."""
+    import decoder_models as D
+
+    params = dict(model.named_parameters())
+    n = 0
+    with torch.no_grad():
+        for name, p in params.items():
+            if p.dtype != torch.float8_e4m3fn:
+                continue
+            scale = params.get(name + "_scale_inv")
+            assert scale is not None, f"{name}: no block scale {name}_scale_inv"
+            w = (FP8_WEIGHT_GAIN * torch.randn(p.shape, generator=generator)).clamp(-448, 448)
+            p.copy_(w.to(p.dtype))
+            s = (1.0 + 0.25 * torch.rand(scale.shape, generator=generator))
+            s = s * p.shape[-1] ** -0.5 / FP8_WEIGHT_GAIN
+            if D._is_output_projection(name):
+                s = s * D.OUTPUT_SCALE
+            scale.copy_(s.to(scale.dtype))
+            n += 1
+    return n
+
+
 def main() -> int:
     import decoder_models as D
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
-    case = {"qwen3-moe": D.QWEN3_MOE, "deepseek-v3": D.DEEPSEEK_V3}[os.environ.get("CASE",
-                                                                                   "qwen3-moe")]
     hidden = int(os.environ.get("HIDDEN", "2048"))
-    case = dataclasses.replace(case, config=dict(case.config, hidden_size=hidden))
+    case = make_case(os.environ.get("CASE", "qwen3-moe"), hidden, world)
     dtype = torch.bfloat16
     seed = int(os.environ.get("SEED") or 1234)
     if torch.cuda.is_available():
@@ -268,8 +355,10 @@ def main() -> int:
         res["graph_replays_identical"] = all(torch.equal(r, replayed[0]) for r in replayed)
         res["status"] = comm.status()
         # 3. checks
+        bound = FP8_BOUND if "quantization_config" in case.config else None
+        res["bound_atol_rtol"] = bound or "test_decoder_layers'"
         for t, y in got.items():
-            good, worst, n_bad = close_enough(y, ref[t], dtype)
+            good, worst, n_bad = close_enough(y, ref[t], dtype, bound)
             res["checks"][f"T={t}" + (" graph" if t == GRAPH_TOKENS else "")] = {
                 "ok": good, "max_abs_diff": worst, "elements_outside": n_bad,
                 "elements": y.numel()}
