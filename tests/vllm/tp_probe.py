@@ -18,6 +18,9 @@ vLLM's own parallel layers, then:
 3. Every output element compared with (1) within the tolerance of tests/vllm/test_decoder_layers.py,
    the ranks' fused outputs compared bit for bit, arfuse's kernels counted with the profiler, and
    vLLM all-reduces left in the compiled model counted.
+4. What the communicator costs vLLM's KV-cache budget: the non-torch memory that grew across
+   the load hook, by vLLM's own MemorySnapshot (what its memory profiling subtracts), beside
+   the buffer_bytes every rank reports.
 
 What differs from a deployment, and why:
 * vLLM's all-reduce. Two ranks on one GPU: NCCL refuses them (one device per rank) and vLLM's
@@ -323,7 +326,23 @@ def main() -> int:
             res["dry_run_cpu"] = {t: float(r.float().abs().max()) for t, r in ref.items()}
             raise DryRunDone
         # 2. the plugin's load_model hook body, then the compiled model
+        # vLLM's KV-cache budget is what its memory profiling leaves: gpu_memory_utilization x
+        # total, less the weights, the activations' peak and the non-torch memory that grew since
+        # the worker's first snapshot (gpu_worker.determine_available_memory). The communicator's
+        # buffer is cudaMalloc'ed outside torch in this hook, so it is counted there: measured here
+        # with vLLM's own MemorySnapshot around the hook. The GPU's memory is every rank's (they
+        # share it) and the ranks create together: the difference is all ranks' buffers.
+        from vllm.utils.mem_utils import MemorySnapshot
+
+        torch.cuda.synchronize()
+        dist.barrier()
+        before_hook = MemorySnapshot()
+        dist.barrier()
         load.after_load_model(Worker(config), None, (), {})
+        torch.cuda.synchronize()
+        dist.barrier()
+        grown = MemorySnapshot() - before_hook
+        dist.barrier()
         assert guard.active(), f"arfuse switched off: {guard.disabled_reason()}"
         from arfuse.vllm import communicators
 
@@ -331,6 +350,14 @@ def main() -> int:
         assert comm is not None and comm.world_size == world, comm
         res["communicator"] = repr(comm)
         res["buffer_bytes"] = comm.buffer_bytes
+        every = [None] * world
+        dist.all_gather_object(every, comm.buffer_bytes)
+        res["kv_budget"] = {
+            "non_torch_growth_all_ranks": grown.non_torch_memory,
+            "torch_growth_all_ranks": grown.torch_memory,
+            "buffer_bytes_all_ranks": sum(every),
+            "per_rank": grown.non_torch_memory / world,
+        }
         before = vllm_ar.calls
         t0 = time.time()
         got = {t: forward(model, config, *sets[t], compiled=True).clone() for t in TOKENS}
