@@ -97,6 +97,7 @@ def test_mismatched_ranks_are_refused_on_every_rank(case, rule):
         rules = (rule,) if isinstance(rule, str) else rule
         assert len(refused) == 1 and all(r_ in refused[0] for r_ in rules), out[-3000:]
         assert f"rank {r}: leftover 0 bytes" in out, out[-3000:]
+        assert f"rank {r}: same outcome twice" in out, out[-3000:]
 
 
 def test_a_matching_group_is_created_and_leaves_nothing_after_close():
@@ -104,3 +105,4 @@ def test_a_matching_group_is_created_and_leaves_nothing_after_close():
     for r, (rc, out) in enumerate(outs):
         assert rc == 0 and f"rank {r}: created" in out, out[-3000:]
         assert f"rank {r}: leftover 0 bytes" in out, out[-3000:]
+        assert f"rank {r}: same outcome twice" in out, out[-3000:]
