@@ -774,3 +774,43 @@ def test_ladder_argument_errors(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         ladder.parse_args(argv)
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_reference_gathers_the_ranks_partials_over_gloo(tmp_path):
+    """Under torchrun every rank's partial is gathered for the reference (inputs.reference). With
+    ranks sharing one GPU the group is gloo, whose all_gather_into_tensor takes the output as
+    [world * T, H] only (seen on an H100, d6d500a: "invalid tensor size ... expected (1, 2048),
+    got (1, 1, 2048)"). A one-rank gloo group here: its reference equals the emulated path's."""
+    import torch
+    import torch.distributed as dist
+
+    from arfuse.bench import inputs
+
+    args = SimpleNamespace(hidden=264, topk=4, seed=7, layout="permuted", weights_dtype="f32",
+                           absent_frac=0.1, shared=True, routed_scaling=1.5, eps=1e-6,
+                           weight_bias=0.0)
+    gamma = torch.rand(264) + 0.5
+    setup = SimpleNamespace(args=args, device=torch.device("cpu"), dtype=torch.bfloat16,
+                            weight_dtype=torch.float32, ranks=[0], world_size=1, emulated=False,
+                            gamma=gamma)
+    (per,) = inputs.make_sets(setup, 5, 1)
+    want = inputs.reference(SimpleNamespace(**{**vars(setup), "emulated": True}), per)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        got = inputs.reference(setup, per)
+    finally:
+        dist.destroy_process_group()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_shared_gpu_runs_are_labelled_as_a_test_mode():
+    ns = parse(["--hidden", "2048", "--topk", "8", "--device", "cuda:0"], env_world=2)
+    assert ns.shared_gpu
+    assert outputs.output_stem(ns) == "bench_h2048k8_shared2_bf16_permuted"
+    assert "ranks sharing one GPU, a test mode" in outputs.title(ns, "H100")
+    assert "one GPU per rank" not in outputs.title(ns, "H100")
+    row = {"impl": "arfuse", "tokens": 16, "median_us": 5.0, "bytes_per_rank": 1000}
+    BR.finish_rows([row], copy_gbps=1000.0, ranks_per_gpu=2)
+    table = BR.markdown_table([row], shared_gpu=True, copy_gbps=1000.0)
+    assert "the N processes share one GPU's HBM" in table and "one GPU per rank" not in table

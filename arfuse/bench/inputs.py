@@ -113,10 +113,11 @@ def reference(setup: Setup, per: dict):
         del p
     if not setup.emulated:  # every rank's partial, in rank order
         mine = partials[0]
-        allp = torch.empty((setup.world_size,) + tuple(mine.shape), dtype=mine.dtype,
-                           device=mine.device)
-        dist.all_gather_into_tensor(allp, mine)
-        partials = list(allp.unbind(0))
+        # gathered along dim 0 ([world * T, H]): gloo takes no stacked [world, T, H] output
+        allp = torch.empty((setup.world_size * mine.shape[0],) + tuple(mine.shape[1:]),
+                           dtype=mine.dtype, device=mine.device)
+        dist.all_gather_into_tensor(allp, mine.contiguous())
+        partials = list(allp.view((setup.world_size,) + tuple(mine.shape)).unbind(0))
     residual = per[setup.ranks[0]].residual
     norm, resid_out = ref.allreduce_add_rmsnorm(partials, residual, setup.gamma,
                                                 float(a.eps), float(a.weight_bias), setup.dtype,

@@ -17,14 +17,20 @@ def output_stem(ns) -> str:
         return ns.name
     what = ns.model_name or f"h{ns.hidden}k{ns.topk}"
     kind = "tune" if ns.tune else "bench"
-    mode = "emu" if ns.emulate else "tp"
+    mode = "emu" if ns.emulate else ("shared" if _shared(ns) else "tp")
     quant = f"_{ns.quant}" if getattr(ns, "quant", None) else ""
     return f"{kind}_{what}_{mode}{ns.world_size}_{ns.dtype}_{ns.layout}{quant}"
 
 
+def _shared(ns) -> bool:
+    """Ranks as processes sharing one GPU (torchrun with --device cuda:K): a test mode."""
+    return bool(getattr(ns, "shared_gpu", False))
+
+
 def title(ns, card: str) -> str:
     what = f"{ns.model_name} " if ns.model_name else ""
-    mode = "emulated on one GPU" if ns.emulate else "one GPU per rank"
+    mode = ("emulated on one GPU" if ns.emulate else
+            "ranks sharing one GPU, a test mode" if _shared(ns) else "one GPU per rank")
     quant = f", {ns.quant} output" if getattr(ns, "quant", None) else ""
     return (f"arfuse: {what}H={ns.hidden} K={ns.topk} N={ns.world_size} {ns.dtype} "
             f"{ns.layout}{quant} ({mode}) — {card}")
@@ -75,12 +81,12 @@ def write_outputs(ns, res: dict, argv) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     stem = output_stem(ns)
     rows = BR.finish_rows(res["rows"], copy_gbps=res.get("copy_gbps"),
-                          ranks_per_gpu=ns.world_size if ns.emulate else 1)
+                          ranks_per_gpu=ns.world_size if ns.emulate or _shared(ns) else 1)
     paths = {"csv": out / f"{stem}.csv", "md": out / f"{stem}.md", "json": out / f"{stem}.json"}
     BR.write_csv(paths["csv"], rows)
     BR.write_markdown(paths["md"], rows, title=title(ns, res.get("card")),
                       notes=header_notes(ns, res), emulated=ns.emulate,
-                      world_size=ns.world_size, copy_gbps=res.get("copy_gbps"))
+                      shared_gpu=_shared(ns), world_size=ns.world_size, copy_gbps=res.get("copy_gbps"))
     env = environment(ns, res, argv)
     if ns.tune and not any(r.get("median_us") for r in rows):
         env["tuning"] = {"oneshot_max_tokens": None, "row": None,

@@ -160,7 +160,7 @@ def _us(v: float) -> str:
 
 def markdown_table(rows: Iterable[dict], *, title: str = "", notes: Sequence[str] = (),
                    emulated: bool = False, world_size: int | None = None,
-                   copy_gbps: float | None = None) -> str:
+                   copy_gbps: float | None = None, shared_gpu: bool = False) -> str:
     """One line per token count; one column per implementation with the median per-call time in
     microseconds and, in parentheses, the ratio to the baseline (< 1: faster): "vLLM today" where
     it was timed, else the unfused pipeline; then the achieved GB/s of arfuse (auto) and its
@@ -175,7 +175,9 @@ def markdown_table(rows: Iterable[dict], *, title: str = "", notes: Sequence[str
     if title:
         lines += [f"## {title}", ""]
     bw_note = ("per-rank bytes x N / median: the N emulated ranks share one GPU's HBM"
-               if emulated else "per-rank bytes / median (one GPU per rank)")
+               if emulated else
+               "per-rank bytes x N / median: the N processes share one GPU's HBM"
+               if shared_gpu else "per-rank bytes / median (one GPU per rank)")
     # The baseline: vLLM's own kernels where they were timed, else "vLLM today", else unfused.
     timed = {r["impl"] for r in rows if r.get("median_us")}
     ratio_key, base_name = next(
