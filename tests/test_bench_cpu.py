@@ -811,6 +811,6 @@ def test_shared_gpu_runs_are_labelled_as_a_test_mode():
     assert "ranks sharing one GPU, a test mode" in outputs.title(ns, "H100")
     assert "one GPU per rank" not in outputs.title(ns, "H100")
     row = {"impl": "arfuse", "tokens": 16, "median_us": 5.0, "bytes_per_rank": 1000}
-    BR.finish_rows([row], copy_gbps=1000.0, ranks_per_gpu=2)
+    BR.finish_rows([row], copy_gbps=1000.0, ranks_per_gpu=1)
     table = BR.markdown_table([row], shared_gpu=True, copy_gbps=1000.0)
     assert "the N processes share one GPU's HBM" in table and "one GPU per rank" not in table

@@ -81,7 +81,7 @@ def write_outputs(ns, res: dict, argv) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     stem = output_stem(ns)
     rows = BR.finish_rows(res["rows"], copy_gbps=res.get("copy_gbps"),
-                          ranks_per_gpu=ns.world_size if ns.emulate or _shared(ns) else 1)
+                          ranks_per_gpu=ns.world_size if ns.emulate else 1)
     paths = {"csv": out / f"{stem}.csv", "md": out / f"{stem}.md", "json": out / f"{stem}.json"}
     BR.write_csv(paths["csv"], rows)
     BR.write_markdown(paths["md"], rows, title=title(ns, res.get("card")),

@@ -176,7 +176,8 @@ def markdown_table(rows: Iterable[dict], *, title: str = "", notes: Sequence[str
         lines += [f"## {title}", ""]
     bw_note = ("per-rank bytes x N / median: the N emulated ranks share one GPU's HBM"
                if emulated else
-               "per-rank bytes x N / median: the N processes share one GPU's HBM"
+               "per-process bytes / median, against the copy bandwidth each process measured "
+               "while the others did (the N processes share one GPU's HBM)"
                if shared_gpu else "per-rank bytes / median (one GPU per rank)")
     # The baseline: vLLM's own kernels where they were timed, else "vLLM today", else unfused.
     timed = {r["impl"] for r in rows if r.get("median_us")}
