@@ -21,8 +21,8 @@ import checkout
 
 pytestmark = pytest.mark.gpu
 PROBE = Path(__file__).with_name("fault_probe.py")
-RANK_CONNECTIONS = "2"
 CREATE_PROBE = Path(__file__).with_name("create_probe.py")
+RANK_CONNECTIONS = "2"  # CUDA_DEVICE_MAX_CONNECTIONS of each rank process (launch)
 
 
 def launch(world: int, probe: Path = PROBE, **env) -> list[subprocess.Popen]:

@@ -196,6 +196,11 @@ class ModelCase:
 
 HIDDEN = 256
 # What every case's config has.
+# An FP8-block checkpoint's quantization_config (DeepSeek-V3 as released: 128 x 128 weight blocks,
+# activations quantized dynamically per token and group of 128).
+FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+             "weight_block_size": [128, 128]}
+
 SMALL = {"hidden_size": HIDDEN, "num_experts_per_tok": 2, "vocab_size": 512,
          "max_position_embeddings": 4096, "hidden_act": "silu", "tie_word_embeddings": False,
          "torch_dtype": "bfloat16"}

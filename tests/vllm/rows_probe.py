@@ -57,11 +57,9 @@ MIXTRAL_WIDE = dataclasses.replace(D.MIXTRAL, name="mixtral-wide",
 # DeepSeek-V3 as released: FP8-block experts (128x128 weight blocks, activations quantized per
 # token and group of 128: vLLM's Fp8MoEMethod with TritonExperts). Its intermediate size is 256
 # (128 per rank: a whole block).
-FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-             "weight_block_size": [128, 128]}
 DEEPSEEK_V3_FP8 = dataclasses.replace(
     D.DEEPSEEK_V3, name="deepseek-v3-fp8",
-    config=dict(D.DEEPSEEK_V3.config, moe_intermediate_size=256, quantization_config=FP8_BLOCK))
+    config=dict(D.DEEPSEEK_V3.config, moe_intermediate_size=256, quantization_config=D.FP8_BLOCK))
 CASES = {"qwen3-moe": D.QWEN3_MOE, "deepseek-v3": D.DEEPSEEK_V3, "mixtral": D.MIXTRAL,
          "mixtral-wide": MIXTRAL_WIDE, "deepseek-v3-fp8": DEEPSEEK_V3_FP8}
 TOKENS = (9, 1)

@@ -82,8 +82,6 @@ from vllm.distributed.device_communicators.base_device_communicator import (  # 
 TOKENS = (24, 7, 1)  # through the one compiled model (compile range [1, MAX_TOKENS])
 GRAPH_TOKENS = 8  # captured in a CUDA graph and replayed
 REPLAYS = 20
-FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-             "weight_block_size": [128, 128]}
 # Every element within atol + rtol * |reference| for the FP8-block cases: the expert and linear
 # inputs are quantized to e4m3 per token and group of 128 in both computations, and a bf16 step
 # of difference in a norm output (arfuse normalizes in float32 and rounds once) can move an
@@ -150,16 +148,16 @@ def build(case, dtype, seed: int, root: Path, world: int):
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    quantized = is_fp8(case)
     # (no GPU: vLLM's norm + quant fusion passes, on for FP8 models, need its CUDA kernels)
     passes = ({"fuse_norm_quant": False, "fuse_act_quant": False}
-              if device.type == "cpu" and "quantization_config" in case.config else {})
+              if device.type == "cpu" and quantized else {})
     config = D.model_config(root, case, dtype, device=device.type, passes=passes)
     rank = int(os.environ["RANK"])
     parallel_state(config, world, rank)
     default = torch.get_default_dtype()
     # (no GPU: vLLM's CPU MoE backend -- a dry run of the set-up and the unfused forward only)
     stubs = D.attention_stubs() if device.type == "cuda" else D.cpu_build()
-    quantized = "quantization_config" in case.config
     with stubs, fp8_skips() if quantized else contextlib.nullcontext(), \
             set_current_vllm_config(config), device:
         torch.set_default_dtype(dtype)
@@ -224,7 +222,7 @@ def make_case(name: str, hidden: int, world: int):
     config = dict(base.config, hidden_size=hidden)
     if name.endswith("-fp8"):
         assert hidden % 128 == 0, f"HIDDEN {hidden}: FP8-block needs a multiple of 128"
-        config.update(quantization_config=FP8_BLOCK, moe_intermediate_size=128 * world)
+        config.update(quantization_config=D.FP8_BLOCK, moe_intermediate_size=128 * world)
         if base is D.QWEN3_MOE:  # q 2 x 128, k and v 128 a rank at TP 2; o_proj's input 256
             config.update(num_attention_heads=2 * world, num_key_value_heads=world, head_dim=128)
         else:  # MLA: q_lora_rank and the heads' q / kv_b / o_proj shards 128 a rank
@@ -234,6 +232,10 @@ def make_case(name: str, hidden: int, world: int):
     elif name not in ("qwen3-moe", "deepseek-v3"):
         raise SystemExit(f"CASE {name!r}: qwen3-moe, deepseek-v3, qwen3-moe-fp8 or deepseek-v3-fp8")
     return dataclasses.replace(base, name=name, config=config)
+
+
+def is_fp8(case) -> bool:
+    return "quantization_config" in case.config
 
 
 @contextlib.contextmanager
@@ -382,7 +384,7 @@ def main() -> int:
         res["graph_replays_identical"] = all(torch.equal(r, replayed[0]) for r in replayed)
         res["status"] = comm.status()
         # 3. checks
-        bound = FP8_BOUND if "quantization_config" in case.config else None
+        bound = FP8_BOUND if is_fp8(case) else None
         res["bound_atol_rtol"] = bound or "test_decoder_layers'"
         for t, y in got.items():
             good, worst, n_bad = close_enough(y, ref[t], dtype, bound)
